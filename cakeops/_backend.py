@@ -1,0 +1,37 @@
+"""Which implementation runs an op on a given tensor: the Triton kernels or the reference math.
+
+CUDA tensors always take the Triton kernels. CPU tensors take the reference math, unless the
+Triton interpreter (``TRITON_INTERPRET=1``, set before triton is imported) is asked to run the
+kernels on CPU -- that is how the kernels themselves are tested on machines without a GPU.
+"""
+import contextlib
+import os
+
+import torch
+
+_cpu_runs_triton = os.environ.get("CAKEOPS_CPU_KERNELS", "reference") == "triton"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    if t.is_cuda:
+        return True
+    return _cpu_runs_triton and t.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def cpu_kernels(kind: str):
+    """Within the block, CPU tensors run ``"triton"`` kernels (interpreter) or the ``"reference"``."""
+    global _cpu_runs_triton
+    if kind not in ("triton", "reference"):
+        raise ValueError(f"cpu_kernels: kind must be 'triton' or 'reference', got {kind!r}")
+    if kind == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    saved, _cpu_runs_triton = _cpu_runs_triton, kind == "triton"
+    try:
+        yield
+    finally:
+        _cpu_runs_triton = saved
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,109 @@
+"""RMSNorm custom ops (``torch.ops.cakeops.rmsnorm_*``): device kernels, fakes and autograd registration.
+
+The ``*_impl`` functions are the single place that picks Triton (CUDA, or CPU under the interpreter) or
+the reference math; the custom ops and the eager autograd.Function both call them, so compiled and eager
+results are the same bits. Inputs arrive flattened to [T, H] with unit column stride.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from cakeops.meta import rmsnorm as fake
+
+from .. import _backend
+from ..reference import rmsnorm as reference
+from .determinism import alert_not_deterministic
+
+
+def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
+                 y: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
+                 h_out: Optional[Tensor] = None):
+    T, H = x.shape
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device) if y is None else y
+    rstd = torch.empty((T,), dtype=torch.float32, device=x.device) if rstd is None else rstd
+    if residual is not None and h_out is None:
+        h_out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if _backend.use_triton(x):
+        from .._triton import rmsnorm as kernels
+        kernels.forward(x, w, eps, y, rstd, residual, h_out)
+    else:
+        outs = reference.forward(x, w, eps, residual)
+        y.copy_(outs[0])
+        rstd.copy_(outs[1])
+        if residual is not None:
+            h_out.copy_(outs[2])
+    return (y, rstd) if residual is None else (y, rstd, h_out)
+
+
+def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor] = None,
+                  deterministic: bool = True, workspace: Optional[Tensor] = None,
+                  dx: Optional[Tensor] = None, dw: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if not deterministic:
+        alert_not_deterministic("cakeops rmsnorm backward with deterministic=False")
+    T, H = x.shape
+    dx = torch.empty((T, H), dtype=x.dtype, device=x.device) if dx is None else dx
+    dw = torch.empty((H,), dtype=torch.float32, device=x.device) if dw is None else dw
+    if _backend.use_triton(x):
+        from .._triton import rmsnorm as kernels
+        kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+    else:
+        ref_dx, ref_dw = reference.backward(g, x, w, rstd, g_residual)
+        dx.copy_(ref_dx)
+        dw.copy_(ref_dw)
+    return dx, dw
+
+
+@torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(x: Tensor, w: Tensor, eps: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """y, rstd = RMSNorm(x) * w. ``deterministic`` only rides along for the backward."""
+    return forward_impl(x, w, eps)
+
+
+@torch.library.custom_op("cakeops::add_rmsnorm_fwd", mutates_args=())
+def add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
+                    deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """h_new = x + residual; y, rstd = RMSNorm(h_new) * w."""
+    return forward_impl(x, w, eps, residual)
+
+
+@torch.library.custom_op("cakeops::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
+                deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """dx (g_residual folded in, one rounding) and dw in FP32."""
+    return backward_impl(g, x, w, rstd, g_residual, deterministic)
+
+
+rmsnorm_fwd.register_fake(fake.rmsnorm_fwd)
+add_rmsnorm_fwd.register_fake(fake.add_rmsnorm_fwd)
+rmsnorm_bwd.register_fake(fake.rmsnorm_bwd)
+
+
+def _setup_plain(ctx, inputs, output):
+    x, w, _, deterministic = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.deterministic = deterministic
+
+
+def _backward_plain(ctx, grad_y, grad_rstd):
+    x, w, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.cakeops.rmsnorm_bwd(grad_y, x, w, rstd, None, ctx.deterministic)
+    return dx, dw.to(w.dtype), None, None
+
+
+def _setup_residual(ctx, inputs, output):
+    _, _, w, _, deterministic = inputs
+    # The backward reads h_new (an output), never x or residual: nothing else of size [T, H] is kept.
+    ctx.save_for_backward(output[2], w, output[1])
+    ctx.deterministic = deterministic
+
+
+def _backward_residual(ctx, grad_y, grad_rstd, grad_h):
+    h_new, w, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.cakeops.rmsnorm_bwd(grad_y, h_new, w, rstd, grad_h, ctx.deterministic)
+    # x and residual enter only through h_new = x + residual: they share one gradient tensor.
+    return dx, dx, dw.to(w.dtype), None, None
+
+
+rmsnorm_fwd.register_autograd(_backward_plain, setup_context=_setup_plain)
+add_rmsnorm_fwd.register_autograd(_backward_residual, setup_context=_setup_residual)

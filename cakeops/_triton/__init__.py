@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers only: no torch.library, no autograd, no argument validation."""

@@ -1,0 +1,35 @@
+"""What every launcher needs to size its grid: tile shapes, warps, the persistent-grid width."""
+import functools
+
+import torch
+import triton
+
+from .. import _backend
+
+
+def tile_config(width: int, elem_bytes: int, max_tile: int = 16384):
+    """Row tile for a [T, width] pass: (ROWS, BLOCK, NUM_CHUNKS, num_warps).
+
+    Rows up to ``max_tile`` elements live whole in registers (one HBM read per element); wider rows are
+    walked in chunks. Narrow rows are packed several to a program so each program moves >= 4096 elements.
+    """
+    block = min(triton.next_power_of_2(max(width, 1)), max_tile)
+    chunks = triton.cdiv(width, block)
+    rows = max(1, min(64, 4096 // block)) if chunks == 1 else 1
+    per_thread = max(1, 16 // elem_bytes) * 2  # two 16-byte vectors per thread per tensor
+    warps = triton.next_power_of_2(max(1, min(16, rows * block // (32 * per_thread))))
+    return rows, block, chunks, warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) -> int:
+    """Programs for a persistent grid: enough to fill the GPU, never more than the work."""
+    if device.type == "cuda":
+        width = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
+    else:
+        width = 4 if _backend.interpreting() else 1
+    return max(1, min(work_items, width))

@@ -1,0 +1,215 @@
+"""RMSNorm (optionally fused with a residual add) forward and backward kernels, and their launchers.
+
+Rows are tiled [ROWS, BLOCK]: a row of up to BLOCK elements is read from HBM once and kept in registers;
+wider rows (NUM_CHUNKS > 1) are walked twice, the second pass served mostly by L2.
+All statistics and accumulations are FP32; each output is rounded once.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import persistent_programs, tile_config
+
+
+@triton.jit
+def _rstd(sum_sq, width, eps):
+    # IEEE sqrt and division, as the reference computes them: no fast-math approximations.
+    return tl.div_rn(1.0, tl.sqrt_rn(sum_sq / width + eps))
+
+
+@triton.jit
+def _load_normalized_input(X, R, H_OUT, offs_x, offs_r, offs_h, mask, HAS_RESIDUAL: tl.constexpr):
+    """The tensor that is normalized, in FP32: x, or round(x + residual), which is also stored as h_new."""
+    x = tl.load(X + offs_x, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + offs_r, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + offs_h, h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    X, R, W, Y, H_OUT, RSTD,
+    T, H, stride_x, stride_r, stride_y, stride_h, eps,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row_ids < T
+    rows = row_ids.to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    if NUM_CHUNKS == 1:
+        mask = row_ok[:, None] & (cols < H)
+        h = _load_normalized_input(X, R, H_OUT, rows * stride_x + cols, rows * stride_r + cols,
+                                   rows * stride_h + cols, mask, HAS_RESIDUAL)
+        rstd = _rstd(tl.sum(h * h, axis=1), H, eps)
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+        tl.store(Y + rows * stride_y + cols, ((h * rstd[:, None]) * w).to(Y.dtype.element_ty), mask=mask)
+    else:
+        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for k in range(NUM_CHUNKS):
+            c = cols + k * BLOCK
+            mask = row_ok[:, None] & (c < H)
+            h = _load_normalized_input(X, R, H_OUT, rows * stride_x + c, rows * stride_r + c,
+                                       rows * stride_h + c, mask, HAS_RESIDUAL)
+            sum_sq += tl.sum(h * h, axis=1)
+        rstd = _rstd(sum_sq, H, eps)
+        for k in range(NUM_CHUNKS):
+            c = cols + k * BLOCK
+            mask = row_ok[:, None] & (c < H)
+            if HAS_RESIDUAL:
+                h = tl.load(H_OUT + rows * stride_h + c, mask=mask, other=0.0).to(tl.float32)
+            else:
+                h = tl.load(X + rows * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + c, mask=c < H, other=0.0).to(tl.float32)
+            tl.store(Y + rows * stride_y + c, ((h * rstd[:, None]) * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row_ids, rstd, mask=row_ok)
+
+
+@triton.jit
+def _dx_row_tile(g, x, w, rstd, width):
+    """dx = rstd*g*w - x*rstd^3*mean(g*w*x) on a [ROWS, BLOCK] tile (FP32)."""
+    gw = g * w
+    c1 = tl.sum(gw * x, axis=1) / width
+    return rstd[:, None] * gw - x * (rstd * rstd * rstd * c1)[:, None]
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    G, X, W, RSTD, GRES, DX, DW_OUT,
+    T, H, stride_g, stride_x, stride_gres, stride_dx, stride_dw,
+    HAS_GRES: tl.constexpr, ATOMIC_DW: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+):
+    """Persistent over row blocks; each program sums its rows' dw in a fixed order, then either stores
+    that partial in its own workspace row (deterministic) or adds it atomically into dw (fast)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    num_blocks = tl.cdiv(T, ROWS)
+    cols = tl.arange(0, BLOCK)[None, :]
+    if NUM_CHUNKS == 1:
+        col_ok = cols < H
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        for block in range(pid, num_blocks, num_programs):
+            rows = block * ROWS + tl.arange(0, ROWS)
+            row_ok = rows < T
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            rows = rows.to(tl.int64)[:, None]
+            mask = row_ok[:, None] & col_ok
+            g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = _dx_row_tile(g, x, w, rstd, H)
+            if HAS_GRES:
+                dx += tl.load(GRES + rows * stride_gres + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(g * x * rstd[:, None], axis=0)
+        dw_cols = tl.arange(0, BLOCK)
+        if ATOMIC_DW:
+            tl.atomic_add(DW_OUT + dw_cols, dw, mask=dw_cols < H)
+        else:
+            tl.store(DW_OUT + pid * stride_dw + dw_cols, dw, mask=dw_cols < H)
+    else:
+        # Wide rows: two passes per row; the program's dw partial lives in its own workspace row.
+        for block in range(pid, num_blocks, num_programs):
+            row = block
+            rstd = tl.load(RSTD + row)
+            row = row.to(tl.int64)
+            c1 = tl.zeros([1], dtype=tl.float32)
+            for k in range(NUM_CHUNKS):
+                c = cols + k * BLOCK
+                m = c < H
+                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+                c1 += tl.sum(g * w * x, axis=1)
+            c1 = c1 / H
+            for k in range(NUM_CHUNKS):
+                c = cols + k * BLOCK
+                m = c < H
+                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+                dx = rstd * g * w - x * (rstd * rstd * rstd * c1)[:, None]
+                if HAS_GRES:
+                    dx += tl.load(GRES + row * stride_gres + c, mask=m, other=0.0).to(tl.float32)
+                tl.store(DX + row * stride_dx + c, dx.to(DX.dtype.element_ty), mask=m)
+                part = DW_OUT + pid * stride_dw + c
+                tl.store(part, tl.load(part, mask=m, other=0.0) + g * x * rstd, mask=m)
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """OUT[h] (+)= sum_p PART[p, h], always in the same order: the deterministic dw reduction."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & (cols < H)[None, :]
+        acc += tl.sum(tl.load(PART + p[:, None] * stride_p + cols[None, :], mask=mask, other=0.0), axis=0)
+    if ACCUMULATE:
+        acc += tl.load(OUT + cols, mask=cols < H, other=0.0)
+    tl.store(OUT + cols, acc, mask=cols < H)
+
+
+def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
+            residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None) -> None:
+    """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out."""
+    T, H = x.shape
+    if T == 0:
+        return
+    rows, block, chunks, warps = tile_config(H, x.element_size())
+    has_res = residual is not None
+    r = residual if has_res else x
+    h = h_out if has_res else y
+    _rmsnorm_fwd_kernel[(triton.cdiv(T, rows),)](
+        x, r, w, y, h, rstd, T, H, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
+        HAS_RESIDUAL=has_res, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
+    )
+
+
+def workspace_rows(device: torch.device, T: int, H: int) -> int:
+    """Rows of the FP32 [P, H] dw-partials workspace the deterministic backward uses for these sizes."""
+    rows, _, _, _ = tile_config(H, 2)
+    return persistent_programs(device, triton.cdiv(max(T, 1), rows))
+
+
+def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
+             dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
+             workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False) -> None:
+    """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it)."""
+    T, H = x.shape
+    if T == 0:
+        if not accumulate_dw:
+            dw.zero_()
+        return
+    rows, block, chunks, warps = tile_config(H, x.element_size())
+    programs = persistent_programs(x.device, triton.cdiv(T, rows))
+    atomic = not deterministic and chunks == 1
+    if atomic:
+        if not accumulate_dw:
+            dw.zero_()
+        target = dw
+    else:
+        need = programs * H
+        if workspace is None or workspace.numel() < need:
+            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
+        target = workspace[:need].view(programs, H)
+        if chunks > 1:
+            target.zero_()
+    has_gres = g_residual is not None
+    gres = g_residual if has_gres else g
+    _rmsnorm_bwd_kernel[(programs,)](
+        g, x, w, rstd, gres, dx, target, T, H,
+        g.stride(0), x.stride(0), gres.stride(0), dx.stride(0), H,
+        HAS_GRES=has_gres, ATOMIC_DW=atomic, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
+    )
+    if not atomic:
+        sum_block = min(1024, triton.next_power_of_2(H))
+        _sum_partials_kernel[(triton.cdiv(H, sum_block),)](
+            target, dw, programs, H, H, ACCUMULATE=accumulate_dw, BLOCK_P=8, BLOCK=sum_block, num_warps=4,
+        )

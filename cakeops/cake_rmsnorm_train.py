@@ -1,0 +1,180 @@
+"""Fused RMSNorm training op (optional residual add), FlashInfer ``cake_rmsnorm_train``-compatible API.
+
+Forward ``y = round((h * rstd) * w)`` with ``h = x`` or ``h = round(x + residual)`` (returned as h_new),
+``rstd = 1/sqrt(mean(h^2) + eps)`` in FP32. Backward ``dx = round(rstd*g*w - h*rstd^3*mean(g*w*h) [+ g_residual])``
+and ``dw = sum_t g*h*rstd`` in FP32. Beyond FlashInfer: any hidden size, x in bf16/fp16/fp32, w in x.dtype or
+fp32, ``[..., H]`` inputs, CPU tensors (reference math), and every entry traceable by torch.compile.
+
+Decisions where FlashInfer leaves room: ``rstd`` has the leading shape of x (``x.shape[:-1]``; ``[T]`` for 2-D x);
+the backward accepts it in that shape or flattened. Row-strided 2-D inputs are read in place; other layouts are
+copied once. ``dw``/``out`` buffers given by the caller are overwritten, never accumulated into.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from ._ops import rmsnorm as ops
+
+__all__ = [
+    "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
+    "is_cake_rmsnorm_train_supported", "cake_rmsnorm_train_workspace_numel", "cake_rmsnorm_train_allocate_workspace",
+]
+
+
+def _rows(name: str, t: Tensor) -> Tensor:
+    """[..., H] -> [T, H] with unit column stride, a view whenever the layout allows."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check_x_w(x, w, x_name: str = "x"):
+    _checks.tensor(x_name, x, dtypes=_checks.FLOAT_DTYPES, min_ndim=1)
+    if x.shape[-1] == 0:
+        raise ValueError(f"{x_name}: expected a hidden size (last dim) >= 1, got shape {tuple(x.shape)}")
+    _checks.tensor("w", w, ndim=1)
+    if w.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"w: expected dtype {str(x.dtype).replace('torch.', '')} (as {x_name}) or float32, "
+                         f"got {str(w.dtype).replace('torch.', '')}")
+    if w.shape[0] != x.shape[-1]:
+        raise ValueError(f"w: expected length {x.shape[-1]} (the hidden size of {x_name}), got {w.shape[0]}")
+    _checks.same_device("w", w, x_name, x)
+
+
+def _check_like(name: str, t, x: Tensor, x_name: str = "x") -> Tensor:
+    _checks.tensor(name, t, dtypes=(x.dtype,))
+    if t.shape != x.shape:
+        raise ValueError(f"{name}: expected shape {tuple(x.shape)} (as {x_name}), got {tuple(t.shape)}")
+    _checks.same_device(name, t, x_name, x)
+    return t
+
+
+def _check_flags(deterministic) -> None:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+
+
+def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Optional[Tensor] = None,
+                               out: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
+                               residual_out: Optional[Tensor] = None):
+    """Returns ``(y, rstd)``, or ``(y, rstd, h_new)`` when ``residual`` is given."""
+    _check_x_w(x, w)
+    eps = _checks.positive_float("eps", eps)
+    if residual is not None:
+        _check_like("residual", residual, x)
+    elif residual_out is not None:
+        raise ValueError("residual_out: given without residual; h_new exists only in residual mode")
+    out = _checks.out_tensor("out", out, shape=x.shape, dtype=x.dtype, device=x.device)
+    rstd = _checks.out_tensor("rstd", rstd, shape=x.shape[:-1], dtype=torch.float32, device=x.device)
+    residual_out = _checks.out_tensor("residual_out", residual_out, shape=x.shape, dtype=x.dtype, device=x.device)
+    H = x.shape[-1]
+    outs = ops.forward_impl(
+        _rows("x", x), w, eps, None if residual is None else _rows("residual", residual),
+        None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
+        None if residual_out is None else residual_out.view(-1, H),
+    )
+    y, r = outs[0].view(x.shape), outs[1].view(x.shape[:-1])
+    return (y, r) if residual is None else (y, r, outs[2].view(x.shape))
+
+
+def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *, deterministic: bool = True,
+                                g_residual: Optional[Tensor] = None, workspace: Optional[Tensor] = None,
+                                dx: Optional[Tensor] = None, dw: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Returns ``(dx, dw)``: dx in x.dtype (g_residual folded in), dw FP32. In residual mode pass h_new as x;
+    dx is then the gradient of both x and residual."""
+    _check_x_w(x, w)
+    _check_like("g", g, x)
+    _checks.tensor("rstd", rstd, dtypes=(torch.float32,))
+    if rstd.numel() != x.numel() // x.shape[-1]:
+        raise ValueError(f"rstd: expected {x.shape[:-1].numel()} values (one per row of x), got shape "
+                         f"{tuple(rstd.shape)}")
+    _checks.same_device("rstd", rstd, "x", x)
+    if g_residual is not None:
+        _check_like("g_residual", g_residual, x)
+    _check_flags(deterministic)
+    if workspace is not None:
+        _checks.tensor("workspace", workspace, dtypes=(torch.float32,), device=x.device)
+        if not workspace.is_contiguous():
+            raise ValueError("workspace: expected a contiguous tensor")
+    dx = _checks.out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
+    dw = _checks.out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
+    H = x.shape[-1]
+    ddx, ddw = ops.backward_impl(
+        _rows("g", g), _rows("x", x), w, rstd.reshape(-1).contiguous(),
+        None if g_residual is None else _rows("g_residual", g_residual), deterministic, workspace,
+        None if dx is None else dx.view(-1, H), dw,
+    )
+    return ddx.view(x.shape), ddw
+
+
+class CakeRMSNormFunction(torch.autograd.Function):
+    """Eager autograd: calls the launchers directly (no dispatcher per call). Saves only (x or h_new, w, rstd)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
+                deterministic: bool = True):
+        outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual)
+        ctx.deterministic = deterministic
+        ctx.has_residual = residual is not None
+        normalized = outs[2] if ctx.has_residual else x
+        ctx.save_for_backward(normalized, w, outs[1])
+        if ctx.has_residual:
+            return outs[0], outs[2]
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_h=None):
+        h, w, rstd = ctx.saved_tensors
+        if grad_y is None:
+            grad_y = torch.zeros_like(h)
+        dx, dw = cake_rmsnorm_train_backward(grad_y, h, w, rstd, deterministic=ctx.deterministic,
+                                             g_residual=grad_h)
+        dw = dw.to(w.dtype)
+        return dx, dw, None, (dx if ctx.has_residual else None), None
+
+
+def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None,
+                 deterministic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """RMSNorm with autograd: ``y`` or ``(y, h_new)``. Under torch.compile it becomes the cakeops custom ops
+    (whose registered backward is ``cakeops::rmsnorm_bwd``); in eager mode, CakeRMSNormFunction."""
+    if not torch.compiler.is_compiling():
+        _check_flags(deterministic)
+        return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
+    _check_x_w(x, w)
+    eps = _checks.positive_float("eps", eps)
+    H = x.shape[-1]
+    if residual is None:
+        y, _ = torch.ops.cakeops.rmsnorm_fwd(_rows("x", x), w, eps, deterministic)
+        return y.view(x.shape)
+    _check_like("residual", residual, x)
+    y, _, h_new = torch.ops.cakeops.add_rmsnorm_fwd(_rows("x", x), _rows("residual", residual), w, eps,
+                                                    deterministic)
+    return y.view(x.shape), h_new.view(x.shape)
+
+
+def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None) -> bool:
+    """True where the op runs: CPU (reference math) and CUDA GPUs Triton supports (compute capability >= 7.5);
+    any hidden size >= 1."""
+    device = torch.device(device)
+    if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device) >= (7, 5)
+    return False
+
+
+def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Union[str, torch.device]) -> int:
+    """FP32 elements of the workspace the deterministic backward uses (per-program dw partials)."""
+    from ._triton.rmsnorm import workspace_rows
+
+    return workspace_rows(torch.device(device), num_tokens, hidden) * hidden
+
+
+def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int,
+                                          device: Union[str, torch.device]) -> Tensor:
+    """A workspace for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of these sizes."""
+    return torch.empty(cake_rmsnorm_train_workspace_numel(num_tokens, hidden, device), dtype=torch.float32,
+                       device=device)
