@@ -74,8 +74,12 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
         None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
         None if residual_out is None else residual_out.view(-1, H),
     )
-    y, r = outs[0].view(x.shape), outs[1].view(x.shape[:-1])
-    return (y, r) if residual is None else (y, r, outs[2].view(x.shape))
+    # Hand back the caller's own buffers where given (not views of them).
+    y = out if out is not None else outs[0].view(x.shape)
+    r = rstd if rstd is not None else outs[1].view(x.shape[:-1])
+    if residual is None:
+        return y, r
+    return y, r, residual_out if residual_out is not None else outs[2].view(x.shape)
 
 
 def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *, deterministic: bool = True,
@@ -105,7 +109,7 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
         None if g_residual is None else _rows("g_residual", g_residual), deterministic, workspace,
         None if dx is None else dx.view(-1, H), dw,
     )
-    return ddx.view(x.shape), ddw
+    return (dx if dx is not None else ddx.view(x.shape)), ddw
 
 
 class CakeRMSNormFunction(torch.autograd.Function):
