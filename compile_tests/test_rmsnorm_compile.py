@@ -1,0 +1,183 @@
+"""RMSNorm under torch.library.opcheck and torch.compile: schemas, fakes, no graph breaks, dynamic T, graphs."""
+import pytest
+import torch
+import torch._dynamo
+from expecttest import assert_expected_inline
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import cakeops
+from cakeops.cake_rmsnorm_train import cake_rmsnorm
+from conftest import DEVICE
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                 "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_opcheck_forward_ops(dtype, requires_grad, with_residual):
+    torch.manual_seed(0)
+    x = torch.randn(6, 40, device=DEVICE, dtype=dtype, requires_grad=requires_grad)
+    w = torch.randn(40, device=DEVICE, dtype=dtype, requires_grad=requires_grad)
+    if with_residual:
+        r = torch.randn(6, 40, device=DEVICE, dtype=dtype, requires_grad=requires_grad)
+        torch.library.opcheck(torch.ops.cakeops.add_rmsnorm_fwd.default, (x, r, w, 1e-6, True), test_utils=OPCHECK_TESTS)
+    else:
+        torch.library.opcheck(torch.ops.cakeops.rmsnorm_fwd.default, (x, w, 1e-6, True), test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_opcheck_backward_op(dtype, with_residual):
+    torch.manual_seed(1)
+    x = torch.randn(6, 40, device=DEVICE, dtype=dtype)
+    w = torch.randn(40, device=DEVICE, dtype=torch.float32)
+    rstd = torch.rand(6, device=DEVICE) + 0.5
+    g = torch.randn_like(x)
+    gres = torch.randn_like(x) if with_residual else None
+    torch.library.opcheck(torch.ops.cakeops.rmsnorm_bwd.default, (g, x, w, rstd, gres, True), test_utils=OPCHECK_TESTS)
+
+
+class TinyBlock(torch.nn.Module):
+    """Pre-norm residual block: the shape of code people compile."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm1 = cakeops.nn.RMSNorm(hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.norm2 = cakeops.nn.RMSNorm(hidden)
+
+    def forward(self, x):
+        h = self.proj(self.norm1(x))
+        y, stream = self.norm2(h, x)
+        return y * stream.sigmoid()
+
+
+def _grads_after(model, x, g, dynamic_dim=None):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    if dynamic_dim is not None:
+        torch._dynamo.mark_dynamic(x, dynamic_dim)
+    model(x).backward(g)
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+def _block(hidden=32):
+    torch.manual_seed(2)
+    block = TinyBlock(hidden).to(DEVICE)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return block
+
+
+def test_fullgraph_no_graph_breaks_and_eager_equal_gradients():
+    block = _block()
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    g = torch.randn(2, 5, 32, device=DEVICE)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(_grads_after(compiled, x, g), _grads_after(block, x, g)):
+        assert torch.equal(got, ref)  # same kernels on both paths: the same bits
+
+
+def test_inductor_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    block = _block(24)
+    x = torch.randn(3, 24, device=DEVICE)
+    g = torch.randn(3, 24, device=DEVICE)
+    compiled = torch.compile(block, fullgraph=True)
+    for got, ref in zip(_grads_after(compiled, x, g), _grads_after(block, x, g)):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_tokens_do_not_recompile():
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    block = _block()
+    compiled = torch.compile(block, fullgraph=True, backend=counting_backend)
+    for T in (7, 13, 29, 64):
+        x = torch.randn(T, 32, device=DEVICE)
+        g = torch.randn(T, 32, device=DEVICE)
+        for got, ref in zip(_grads_after(compiled, x, g, dynamic_dim=0), _grads_after(block, x, g)):
+            assert torch.equal(got, ref)
+    assert len(compiles) == 1
+
+
+def _aot_graphs(fn, *args):
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm.code.strip()
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+    for code in graphs.values():  # no stray copies of [T, H] tensors around the kernels
+        assert "clone" not in code and "copy_" not in code and ".copy." not in code
+    return graphs
+
+
+def test_aot_graphs_plain():
+    x = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    graphs = _aot_graphs(lambda x, w: cake_rmsnorm(x, w, 1e-6), x, w)
+    assert_expected_inline(graphs["forward"], """\
+def forward(self, primals_1, primals_2):
+    rmsnorm_fwd = torch.ops.cakeops.rmsnorm_fwd.default(primals_1, primals_2, 1e-06, True)
+    getitem = rmsnorm_fwd[0]
+    getitem_1 = rmsnorm_fwd[1];  rmsnorm_fwd = None
+    detach = torch.ops.aten.detach.default(getitem_1);  getitem_1 = None
+    view = torch.ops.aten.view.default(getitem, [8, 16]);  getitem = None
+    return (view, primals_1, primals_2, detach)""")
+    assert_expected_inline(graphs["backward"], """\
+def forward(self, primals_1, primals_2, detach, tangents_1):
+    view_1 = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
+    detach_1 = torch.ops.aten.detach.default(detach);  detach = None
+    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view_1, primals_1, primals_2, detach_1, None, True);  view_1 = primals_1 = primals_2 = detach_1 = None
+    getitem_2 = rmsnorm_bwd[0]
+    getitem_3 = rmsnorm_bwd[1];  rmsnorm_bwd = None
+    return (getitem_2, getitem_3)""")
+
+
+def test_aot_graphs_residual():
+    x = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    graphs = _aot_graphs(lambda x, r, w: cake_rmsnorm(x, w, 1e-6, r), x, r, w)
+    assert_expected_inline(graphs["forward"], """\
+def forward(self, primals_1, primals_2, primals_3):
+    add_rmsnorm_fwd = torch.ops.cakeops.add_rmsnorm_fwd.default(primals_1, primals_3, primals_2, 1e-06, True);  primals_1 = primals_3 = None
+    getitem = add_rmsnorm_fwd[0]
+    getitem_1 = add_rmsnorm_fwd[1]
+    getitem_2 = add_rmsnorm_fwd[2];  add_rmsnorm_fwd = None
+    detach = torch.ops.aten.detach.default(getitem_2)
+    detach_1 = torch.ops.aten.detach.default(getitem_1);  getitem_1 = None
+    view = torch.ops.aten.view.default(getitem, [8, 16]);  getitem = None
+    view_1 = torch.ops.aten.view.default(getitem_2, [8, 16]);  getitem_2 = None
+    return (view, view_1, primals_2, detach, detach_1)""")
+    assert_expected_inline(graphs["backward"], """\
+def forward(self, primals_2, detach, detach_1, tangents_1, tangents_2):
+    view_2 = torch.ops.aten.view.default(tangents_2, [8, 16]);  tangents_2 = None
+    view_3 = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
+    detach_2 = torch.ops.aten.detach.default(detach);  detach = None
+    detach_3 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view_3, detach_2, primals_2, detach_3, view_2, True);  view_3 = detach_2 = primals_2 = detach_3 = view_2 = None
+    getitem_3 = rmsnorm_bwd[0]
+    getitem_4 = rmsnorm_bwd[1];  rmsnorm_bwd = None
+    _to_copy = torch.ops.aten._to_copy.default(getitem_4, dtype = torch.bfloat16);  getitem_4 = None
+    return (getitem_3, _to_copy, getitem_3)""")
