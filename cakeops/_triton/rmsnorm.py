@@ -209,7 +209,13 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
         HAS_GRES=has_gres, ATOMIC_DW=atomic, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
     )
     if not atomic:
-        sum_block = min(1024, triton.next_power_of_2(H))
-        _sum_partials_kernel[(triton.cdiv(H, sum_block),)](
-            target, dw, programs, H, H, ACCUMULATE=accumulate_dw, BLOCK_P=8, BLOCK=sum_block, num_warps=4,
-        )
+        sum_partials(target, dw, accumulate_dw)
+
+
+def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    """out (+)= partials.sum(0) in a fixed order. Narrow column blocks: many programs, each a short walk."""
+    P, H = partials.shape
+    block = min(128, triton.next_power_of_2(H))
+    _sum_partials_kernel[(triton.cdiv(H, block),)](
+        partials, out, P, H, partials.stride(0), ACCUMULATE=accumulate, BLOCK_P=32, BLOCK=block, num_warps=4,
+    )
