@@ -1,0 +1,149 @@
+"""The bench harness on CPU: the check path, the declared bytes, the reports, and `bench` end to end."""
+import dataclasses
+import json
+import statistics
+import time
+
+import pytest
+import torch
+
+from cakeops.bench import cli, core, report
+from cakeops.bench import rmsnorm_cases
+
+RMSNORM_OPS = ["rmsnorm fwd", "add+rmsnorm fwd", "rmsnorm bwd", "rmsnorm bwd (fast dw)"]
+
+
+def _rmsnorm_cases(quick=True):
+    core.load_families()
+    return core.cases(["rmsnorm"], quick=quick)
+
+
+def test_registry_quick_takes_the_first_shape_only():
+    quick, full = _rmsnorm_cases(quick=True), _rmsnorm_cases(quick=False)
+    assert [c.name for c in quick] == RMSNORM_OPS
+    assert {c.shape_label for c in quick} == {"T=32768 H=4096"}
+    assert {c.shape_label for c in full} == {"T=32768 H=4096", "T=16384 H=8192"}
+    assert len(full) == 8 and "rmsnorm" in core.families()
+
+
+@pytest.mark.parametrize("name", RMSNORM_OPS)
+def test_cpu_check_reports_small_errors(backend, name):
+    case = next(c for c in _rmsnorm_cases() if c.name == name)
+    row = core.cpu_check(case, backend, tol_scale=2.0 if backend == "triton" else 1.0)
+    outputs = {"rmsnorm fwd": {"y", "rstd"}, "add+rmsnorm fwd": {"y", "rstd", "h_new"}}.get(name, {"dx", "dw"})
+    assert set(row["rel_err"]) == outputs
+    assert row["ok"], row
+    # bf16 outputs against an fp64 oracle carry rounding error: an error of exactly 0 would mean the
+    # check compared the op with itself.
+    bf16_out = "y" if "fwd" in name else "dx"
+    assert 0.0 < row["rel_err"][bf16_out] < 8e-3
+
+
+def test_cpu_check_catches_a_wrong_op(monkeypatch):
+    true_fwd = rmsnorm_cases.cake_rmsnorm_train_forward
+
+    def off_by_one_percent(*args, **kwargs):
+        y, *rest = true_fwd(*args, **kwargs)
+        return (y * 1.01, *rest)
+
+    monkeypatch.setattr(rmsnorm_cases, "cake_rmsnorm_train_forward", off_by_one_percent)
+    row = core.cpu_check(_rmsnorm_cases()[0], "reference")
+    assert not row["ok"] and row["rel_err"]["y"] > 5e-3
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_declared_bytes_are_the_minimal_bytes(seed):
+    T, H = 8 + seed, 16 * seed  # elements: x, residual, y, h_new, g, dx are bf16; w bf16; rstd and dw FP32
+    expect = {
+        "rmsnorm fwd": (2 * T * H) * 2 + H * 2 + T * 4,
+        "add+rmsnorm fwd": (4 * T * H) * 2 + H * 2 + T * 4,
+        "rmsnorm bwd": (3 * T * H) * 2 + H * 2 + T * 4 + H * 4,
+        "rmsnorm bwd (fast dw)": (3 * T * H) * 2 + H * 2 + T * 4 + H * 4,
+    }
+    for case in _rmsnorm_cases():
+        state = case.make(torch.device("cpu"), case.dtype, {"T": T, "H": H})
+        assert case.nbytes(state) == expect[case.name], case.name
+
+
+def _row(op, ms, peers, errors, ok=True):
+    return {"family": "toy", "op": op, "shape": "T=4 H=8", "dtype": "bfloat16", "bytes": 4_000_000, "ms": ms,
+            "gbps": 4_000_000 / ms / 1e6, "pct_copy": 50.0, "peers_ms": peers, "rel_err": errors,
+            "tol": {k: 1e-2 for k in errors}, "ok": ok}
+
+
+def test_markdown_and_json_writers(tmp_path):
+    rows = [_row("a fwd", 0.5, {"torch eager": 2.0, "torch.compile": 1.0}, {"y": 1e-3}),
+            _row("a bwd", 0.25, {"torch eager": 1.5, "torch.compile": None}, {"dx": float("nan")}, ok=False)]
+    table = report.bench_table(rows)
+    expected = ["op", "shape", "dtype", "cakeops ms", "GB/s", "% of copy", "torch eager ms", "torch.compile ms",
+                "speedup vs torch.compile", "max rel err"]
+    assert table[0] == expected
+    md = report.write_markdown(tmp_path / "bench.md", table, ["# title"]).read_text().splitlines()
+    assert md[0] == "# title"
+    head = md.index("| " + " | ".join(expected) + " |")
+    assert md[head + 1] == "|" + "|".join(["---"] * len(expected)) + "|"
+    body = [line.strip("| ").split(" | ") for line in md[head + 2:]]
+    assert [b[0] for b in body] == ["a fwd", "a bwd"]
+    assert body[0][3:9] == ["0.500", "8", "50.0", "2.000", "1.000", "2.00x"]
+    assert body[1][7:9] == ["-", "-"] and body[1][9].endswith("FAIL")
+
+    payload = json.loads(report.write_json(tmp_path / "bench.json", {"copy_gbps": 16.0}, rows).read_text())
+    assert payload["copy_gbps"] == 16.0 and len(payload["rows"]) == 2
+    assert payload["rows"][1]["rel_err"]["dx"] is None  # NaN written as null: the file stays valid json
+    assert set(payload["rows"][0]) >= {"op", "shape", "dtype", "bytes", "ms", "gbps", "pct_copy", "peers_ms"}
+
+
+def test_no_peers_table_has_no_peer_columns():
+    columns, cells = report.bench_table([_row("a fwd", 0.5, {}, {"y": 1e-3})])
+    assert columns == ["op", "shape", "dtype", "cakeops ms", "GB/s", "% of copy", "max rel err"]
+    assert len(cells[0]) == len(columns)
+
+
+def test_main_quick_on_cpu_exits_0(tmp_path, capsys):
+    assert cli.main(["--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "No CUDA device" in printed
+    rows = json.loads((tmp_path / "check.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == RMSNORM_OPS and all(r["ok"] for r in rows)
+    assert "| op | shape | dtype | path |" in (tmp_path / "check.md").read_text()
+
+
+def test_main_rejects_an_unknown_family(tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--ops", "rmsnorm,nosuchop", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+
+
+def _wall_median_ms(fn, reps=3):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def test_bench_path_with_a_stand_in_timer(tmp_path, monkeypatch):
+    """The GPU path's plumbing on CPU: do_bench and the copy ceiling replaced, tiny shapes, eager peers only."""
+    monkeypatch.setattr(core, "median_ms", _wall_median_ms)
+    monkeypatch.setattr(core, "copy_gbps", lambda device: 1.0)
+    selected = [dataclasses.replace(c, size=c.tiny, peers={"torch eager": c.peers["torch eager"]})
+                for c in _rmsnorm_cases()]
+    assert cli._bench(selected, tmp_path, with_peers=True, device="cpu")
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == RMSNORM_OPS
+    for r in rows:
+        assert r["ms"] > 0 and r["peers_ms"]["torch eager"] > 0
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["ms"] / 1e6)
+        assert r["pct_copy"] == pytest.approx(100 * r["gbps"])
+    assert "| op | shape | dtype | cakeops ms | GB/s | % of copy | torch eager ms |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").exists() == cli.plot.available()
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cakeops.bench import plot
+
+    rows = [_row("a fwd", 0.5, {"torch eager": 2.0, "torch.compile": None}, {"y": 1e-3})]
+    png = plot.bandwidth_plot(tmp_path / "bench.png", rows, 16.0)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
