@@ -15,10 +15,12 @@ input in a [2*iters-1, T, n, n] buffer, then walks it in reverse. A kernel does 
 4x4 tile in registers, without the buffer: it recomputes the input of step s by replaying steps 0..s-1
 from the logits (or from a checkpoint of a few iterates), which is cheap next to reading X.
 """
+import functools
 from typing import Callable, Tuple
 
 import torch
 
+from . import compute_dtype
 from ..meta.mhc_layout import (
     COMB, DCOMB, DPOST, GRAD_STATS_WIDTH, MIX, N_STREAMS, POST, PRE, RSTD, STATS_WIDTH,
 )
@@ -27,7 +29,8 @@ Tensor = torch.Tensor
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    """The package's rule over several arguments: float64 if any of them computes in float64."""
+    return functools.reduce(torch.promote_types, (compute_dtype(t) for t in tensors))
 
 
 def _need_layout_n(n: int) -> None:
