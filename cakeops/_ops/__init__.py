@@ -1,2 +1,2 @@
 """torch.library custom ops of cakeops (namespace ``cakeops``); importing registers them all."""
-from . import rmsnorm  # noqa: F401
+from . import mhc, rmsnorm  # noqa: F401

@@ -1,0 +1,62 @@
+"""Argument checks of the mHC API: every error names the argument and what was expected."""
+import torch
+from torch import Tensor
+
+from . import _checks
+from .meta import mhc_layout as layout
+
+N = layout.N_STREAMS
+M = layout.N_LOGITS
+
+
+def streams(name: str, X) -> Tensor:
+    """X-like [T, n, C] tensor: n = 4 streams, C >= 1, float dtype."""
+    _checks.tensor(name, X, dtypes=_checks.FLOAT_DTYPES, ndim=3)
+    if X.shape[1] != N:
+        raise ValueError(f"{name}: expected n = {N} streams (shape [T, {N}, C]), got shape {tuple(X.shape)}")
+    if X.shape[2] < 1:
+        raise ValueError(f"{name}: expected a hidden size C >= 1, got shape {tuple(X.shape)}")
+    return X
+
+
+def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X") -> Tensor:
+    """A tensor that must sit beside X: its device, the given shape, and X's dtype unless dtypes is given."""
+    _checks.tensor(name, t, dtypes=dtypes if dtypes is not None else (X.dtype,))
+    if tuple(t.shape) != tuple(shape):
+        if t.dim() >= 1 and t.shape[0] != shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]):
+            raise ValueError(f"{name}: expected {shape[0]} tokens (as {x_name}), got {t.shape[0]}")
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    _checks.same_device(name, t, x_name, X)
+    return t
+
+
+def mapping(X: Tensor, fn, scale, base) -> None:
+    T, n, C = X.shape
+    like("fn", fn, X, (M, n * C), dtypes=(torch.float32,))
+    if fn.stride(-1) != 1:
+        raise ValueError("fn: expected unit stride along K (rows of fn contiguous)")
+    like("scale", scale, X, (3,), dtypes=(torch.float32,))
+    like("base", base, X, (M,), dtypes=(torch.float32,))
+
+
+def hparams(rms_eps, hc_eps, sinkhorn_iters) -> tuple:
+    rms_eps = _checks.positive_float("rms_eps", rms_eps)
+    hc_eps = _checks.positive_float("hc_eps", hc_eps)
+    if isinstance(sinkhorn_iters, bool) or not isinstance(sinkhorn_iters, int):
+        raise TypeError(f"sinkhorn_iters: expected an int, got {type(sinkhorn_iters).__name__}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters: expected >= 1, got {sinkhorn_iters}")
+    if sinkhorn_iters > layout.MAX_SINKHORN_ITERS:
+        raise NotImplementedError(
+            f"sinkhorn_iters: at most {layout.MAX_SINKHORN_ITERS} iterations are supported, got {sinkhorn_iters}")
+    return rms_eps, hc_eps, sinkhorn_iters
+
+
+def stats(name: str, t, X: Tensor, width: int) -> Tensor:
+    return like(name, t, X, (X.shape[0], width), dtypes=(torch.float32,))
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value

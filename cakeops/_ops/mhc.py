@@ -1,0 +1,232 @@
+"""mHC custom ops (``torch.ops.cakeops.mhc_*``): device kernels, fakes and autograd registration.
+
+The ``*_impl`` functions pick Triton (CUDA, or CPU under the interpreter) or the reference math and write
+into caller buffers when given; the custom ops and the eager autograd.Functions both call them.
+
+The training pair ``mhc_prepare`` / ``mhc_finish`` is wired so that X gets one gradient per layer:
+``mhc_finish``'s backward returns *no* gradient for X; it returns ``dY`` and ``grad_stats`` as the gradients
+of two *edges* -- outputs of ``mhc_prepare`` that ``mhc_finish`` takes as inputs -- and so autograd delivers
+them, next to ``dU``, to ``mhc_prepare``'s backward, which writes X's whole gradient once
+(``mhc_backward_finish``). A custom op's outputs may not alias its inputs, so the edges cannot be views of
+X; they are fresh tensors whose strides are all 0 (one element of storage each, see ``meta/mhc.py``), so
+they cost no HBM traffic, and the incoming ``dY`` tangent goes straight into the backward kernel (the AOT
+backward graph shows no copy: compile_tests snapshot it).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from cakeops.meta import mhc as fake
+from cakeops.meta import mhc_layout as layout
+
+from .. import _backend
+from ..reference import mhc as reference
+from .determinism import alert_not_deterministic
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """Kernels read rows in place when the last dim is unit-stride; anything else is copied once."""
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def _empty_stats(X: Tensor) -> Tensor:
+    return torch.empty((X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
+
+
+def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                 iters: int, U: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                 write_U: bool = True) -> Tuple[Optional[Tensor], Tensor]:
+    """(U, stats); with write_U=False only stats (forward_stats: the same kernel, bitwise the same record)."""
+    T, n, C = X.shape
+    stats = _empty_stats(X) if stats is None else stats
+    if write_U and U is None:
+        U = torch.empty((T, C), dtype=X.dtype, device=X.device)
+    if _backend.use_triton(X):
+        from .._triton import mhc_forward as kernels
+        kernels.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U if write_U else None)
+    else:
+        ref_U, ref_stats = reference.forward_prepare(X, fn, scale, base, rms_eps, hc_eps, iters)
+        stats.copy_(ref_stats)
+        if write_U:
+            U.copy_(ref_U)
+    return (U if write_U else None), stats
+
+
+def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
+    Y = torch.empty(X.shape, dtype=X.dtype, device=X.device) if Y is None else Y
+    if _backend.use_triton(X):
+        from .._triton import mhc_forward as kernels
+        kernels.finish(X, B, stats, Y)
+    else:
+        Y.copy_(reference.forward_finish(X, B, stats))
+    return Y
+
+
+def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
+    T, n, C = X.shape
+    Y = torch.empty((T, C), dtype=X.dtype, device=X.device) if Y is None else Y
+    if _backend.use_triton(X):
+        from .._triton import mhc_forward as kernels
+        kernels.head_forward(X, Y)
+    else:
+        Y.copy_(reference.head_forward(X))
+    return Y
+
+
+def head_backward_impl(dY: Tensor, n: int, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    T, C = dY.shape
+    if dX is None:
+        dX = torch.empty((T, n, C), dtype=dY.dtype, device=dY.device)
+        accumulate = False
+    if _backend.use_triton(dY):
+        from .._triton import mhc_forward as kernels
+        kernels.head_backward(dY, dX, accumulate)
+    elif accumulate:
+        dX.copy_((dX.float() + dY.float()[:, None, :] / n).to(dX.dtype))
+    else:
+        dX.copy_(reference.head_backward(dY, n))
+    return dX
+
+
+def backward_prepare_impl(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, dB: Optional[Tensor] = None,
+                          grad_stats: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    T, n, C = X.shape
+    dB = torch.empty((T, C), dtype=B.dtype, device=X.device) if dB is None else dB
+    if grad_stats is None:
+        grad_stats = torch.empty((T, layout.GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device)
+    dY = _unit_last(dY)
+    if _backend.use_triton(X):
+        from .._triton import mhc_backward as kernels
+        kernels.backward_prepare(dY, B, X, stats, dB, grad_stats)
+    else:
+        ref_dB, ref_gs = reference.backward_prepare(dY, B, X, stats)
+        dB.copy_(ref_dB)
+        grad_stats.copy_(ref_gs)
+    return dB, grad_stats
+
+
+def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                         stats: Tensor, grad_stats: Tensor, rms_eps: float, hc_eps: float, iters: int,
+                         deterministic: bool = True, accumulate: bool = False, dX: Optional[Tensor] = None,
+                         dfn: Optional[Tensor] = None, dscale: Optional[Tensor] = None,
+                         dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not deterministic:
+        alert_not_deterministic("cakeops mHC backward_finish with deterministic=False")
+    dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
+    if dfn is None or dscale is None or dbase is None:
+        accumulate = False  # nothing given to add into
+        dfn = torch.empty_like(fn) if dfn is None else dfn
+        dscale = torch.empty_like(scale) if dscale is None else dscale
+        dbase = torch.empty_like(base) if dbase is None else dbase
+    dY, dU, grad_stats = _unit_last(dY), _unit_last(dU), _unit_last(grad_stats)
+    if _backend.use_triton(X):
+        from .._triton import mhc_backward as kernels
+        kernels.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters,
+                                dX, dfn, dscale, dbase, deterministic=deterministic, accumulate=accumulate)
+    else:
+        outs = reference.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters)
+        dX.copy_(outs[0])
+        for buf, value in zip((dfn, dscale, dbase), outs[1:]):
+            buf.add_(value) if accumulate else buf.copy_(value)
+    return dX, dfn, dscale, dbase
+
+
+# ---- custom ops ----
+
+@torch.library.custom_op("cakeops::mhc_prepare", mutates_args=())
+def mhc_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                sinkhorn_iters: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(U, stats, edge_dY, edge_grad_stats). ``deterministic`` rides along for the backward."""
+    U, stats = prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    return (U, stats) + fake.edges(X)
+
+
+@torch.library.custom_op("cakeops::mhc_stats", mutates_args=())
+def mhc_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+              sinkhorn_iters: int) -> Tensor:
+    return prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, write_U=False)[1]
+
+
+@torch.library.custom_op("cakeops::mhc_finish", mutates_args=())
+def mhc_finish(X: Tensor, B: Tensor, stats: Tensor, edge_dy: Tensor, edge_gs: Tensor) -> Tensor:
+    """Y = post * B + comb^T X. The edges are read by nobody: they route gradients (module docstring)."""
+    return finish_impl(X, B, stats)
+
+
+@torch.library.custom_op("cakeops::mhc_head_fwd", mutates_args=())
+def mhc_head_fwd(X: Tensor) -> Tensor:
+    return head_forward_impl(X)
+
+
+@torch.library.custom_op("cakeops::mhc_head_bwd", mutates_args=())
+def mhc_head_bwd(dY: Tensor, n: int) -> Tensor:
+    return head_backward_impl(_unit_last(dY), n)
+
+
+@torch.library.custom_op("cakeops::mhc_backward_prepare", mutates_args=())
+def mhc_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
+    return backward_prepare_impl(dY, B, X, stats)
+
+
+@torch.library.custom_op("cakeops::mhc_backward_finish", mutates_args=())
+def mhc_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
+                        grad_stats: Tensor, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                        deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, sinkhorn_iters,
+                                deterministic)
+
+
+for _op, _fake in ((mhc_prepare, fake.mhc_prepare), (mhc_stats, fake.mhc_stats), (mhc_finish, fake.mhc_finish),
+                   (mhc_head_fwd, fake.mhc_head_fwd), (mhc_head_bwd, fake.mhc_head_bwd),
+                   (mhc_backward_prepare, fake.mhc_backward_prepare),
+                   (mhc_backward_finish, fake.mhc_backward_finish)):
+    _op.register_fake(_fake)
+
+
+# ---- autograd of the training pair and the head ----
+
+def _setup_prepare(ctx, inputs, output):
+    X, fn, scale, base, rms_eps, hc_eps, iters, deterministic = inputs
+    ctx.save_for_backward(X, fn, scale, base, output[1])
+    ctx.hparams = (rms_eps, hc_eps, iters, deterministic)
+
+
+def _backward_prepare_node(ctx, dU, d_stats, dY, grad_stats):
+    X, fn, scale, base, stats = ctx.saved_tensors
+    rms_eps, hc_eps, iters, deterministic = ctx.hparams
+    # U used without a finish node (or a finish without U): the missing gradients are zeros.
+    if dU is None:
+        dU = X.new_zeros(X.shape[0], X.shape[2])
+    if dY is None:
+        dY = torch.zeros_like(X)
+    if grad_stats is None:
+        grad_stats = X.new_zeros((X.shape[0], layout.GRAD_STATS_WIDTH), dtype=torch.float32)
+    dX, dfn, dscale, dbase = torch.ops.cakeops.mhc_backward_finish(
+        X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters, deterministic)
+    return dX, dfn, dscale, dbase, None, None, None, None
+
+
+def _setup_finish(ctx, inputs, output):
+    X, B, stats, _, _ = inputs
+    ctx.save_for_backward(X, B, stats)
+
+
+def _backward_finish_node(ctx, dY):
+    X, B, stats = ctx.saved_tensors
+    dB, grad_stats = torch.ops.cakeops.mhc_backward_prepare(dY, B, X, stats)
+    # No gradient for X here: dY travels to the prepare node as the edge's gradient (module docstring).
+    return None, dB, None, dY, grad_stats
+
+
+def _setup_head(ctx, inputs, output):
+    ctx.n = inputs[0].shape[1]
+
+
+def _backward_head(ctx, dY):
+    return torch.ops.cakeops.mhc_head_bwd(dY, ctx.n)
+
+
+mhc_prepare.register_autograd(_backward_prepare_node, setup_context=_setup_prepare)
+mhc_finish.register_autograd(_backward_finish_node, setup_context=_setup_finish)
+mhc_head_fwd.register_autograd(_backward_head, setup_context=_setup_head)

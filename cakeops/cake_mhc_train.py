@@ -1,0 +1,309 @@
+"""mHC (manifold-constrained hyper-connections) training ops, FlashInfer ``cake_mhc_train``-compatible API.
+
+The residual stream is widened to n = 4 streams ``X [T, n, C]``. Per token, the RMS-normalized flattened
+streams are projected by ``fn [24, 4C]`` to logits that give the ``pre`` gates (collapse to the layer input
+``U = sum_i pre_i X_i``), the ``post`` gates and a doubly-stochastic mixing matrix ``comb`` (Sinkhorn), and the
+layer output is ``Y = post * B + comb^T X`` with ``B = branch(U)``.
+
+Layers of this module: the FlashInfer-style functions (no autograd, explicit records, caller buffers), the
+autograd.Functions (eager path, calling the kernels directly), and ``cake_mhc_train_prepare`` /
+``cake_mhc_train_finish`` / ``cake_mhc_train_head``, which become the ``torch.ops.cakeops.mhc_*`` custom ops
+under torch.compile.
+
+Decisions where FlashInfer leaves room: inputs X, B, dY, dU may be row-strided (unit last stride) and are read
+in place, other layouts are copied once; caller buffers (``out``, ``dX`` ...) must be contiguous and are
+overwritten, except dfn/dscale/dbase with ``accumulate=True`` (and ``dX`` of the head backward) which are
+added into. Under torch.compile the stats are always kept for the backward (``save_stats`` applies to the
+eager path); the gradients are the same bits either way.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _mhc_args as args
+from ._checks import out_tensor
+from ._ops import mhc as ops
+from .meta import mhc as fake
+from .meta import mhc_layout as layout
+
+__all__ = [
+    "cake_mhc_train_forward_prepare", "cake_mhc_train_forward_stats", "cake_mhc_train_forward_finish",
+    "cake_mhc_train_head_forward", "cake_mhc_train_head_backward", "cake_mhc_train_backward_prepare",
+    "cake_mhc_train_backward_finish", "cake_mhc_train_prepare", "cake_mhc_train_finish", "cake_mhc_train_head",
+    "CakeMHCTrainPrepareFunction", "CakeMHCTrainFinishFunction", "CakeMHCTrainHeadFunction", "MHCTrainHandle",
+    "is_cake_mhc_train_supported",
+]
+
+
+def _stream_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+
+
+def _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters):
+    args.streams("X", X)
+    args.mapping(X, fn, scale, base)
+    return args.hparams(rms_eps, hc_eps, sinkhorn_iters)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashInfer-style functions
+# ---------------------------------------------------------------------------------------------
+
+def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
+                                   hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out: Optional[Tensor] = None,
+                                   stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``(U [T, C] in X.dtype, stats [T, 64] FP32)``: coefficients of every token and the collapse U."""
+    hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    T, n, C = X.shape
+    out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
+    stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.STATS_WIDTH), dtype=torch.float32,
+                           device=X.device)
+    return ops.prepare_impl(_stream_rows(X), fn, scale, base, *hp, U=out, stats=stats_out)
+
+
+def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
+                                 hc_eps: float = 1e-6, sinkhorn_iters: int = 20,
+                                 out: Optional[Tensor] = None) -> Tensor:
+    """``stats`` alone, bitwise equal to forward_prepare's (checkpoint replay)."""
+    hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    out = out_tensor("out", out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
+    return ops.prepare_impl(_stream_rows(X), fn, scale, base, *hp, stats=out, write_U=False)[1]
+
+
+def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+    """``Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c])``."""
+    args.streams("X", X)
+    T, n, C = X.shape
+    args.like("B", B, X, (T, C))
+    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
+    return ops.finish_impl(_stream_rows(X), _stream_rows(B), _stream_rows(stats), out)
+
+
+def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+    """``Y[t, c] = round((sum_i X[t, i, c]) / n)``, summed in stream order: for n = 4, bit for bit X.mean(1)."""
+    args.streams("X", X)
+    T, n, C = X.shape
+    out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
+    return ops.head_forward_impl(_stream_rows(X), out)
+
+
+def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    """``dX[t, i, c] = round(dY[t, c] / n)``; with ``accumulate=True`` added into the given dX."""
+    from ._checks import FLOAT_DTYPES, tensor
+    tensor("dY", dY, dtypes=FLOAT_DTYPES, ndim=2)
+    args.flag("accumulate", accumulate)
+    T, C = dY.shape
+    dX = out_tensor("dX", dX, shape=(T, args.N, C), dtype=dY.dtype, device=dY.device)
+    if accumulate and dX is None:
+        raise ValueError("dX: accumulate=True needs the dX to add into")
+    return ops.head_backward_impl(_stream_rows(dY), args.N, dX, accumulate)
+
+
+def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
+                                    grad_stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The finish node's backward: ``(dB [T, C], grad_stats [T, 32] FP32 = dpost | dcomb | 0)``."""
+    args.streams("X", X)
+    T, n, C = X.shape
+    args.like("dY", dY, X, X.shape)
+    _check_branch_output("B", B, X)
+    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
+    grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.GRAD_STATS_WIDTH),
+                                dtype=torch.float32, device=X.device)
+    return ops.backward_prepare_impl(_stream_rows(dY), _stream_rows(B), _stream_rows(X), _stream_rows(stats),
+                                     dB, grad_stats_out)
+
+
+def _check_branch_output(name: str, B, X: Tensor) -> None:
+    from ._checks import FLOAT_DTYPES
+    args.like(name, B, X, (X.shape[0], X.shape[2]), dtypes=FLOAT_DTYPES)
+
+
+def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optional[Tensor], fn: Tensor, scale: Tensor,
+                                   base: Tensor, stats: Tensor, grad_stats: Tensor, *, rms_eps: float = 1e-5,
+                                   hc_eps: float = 1e-6, sinkhorn_iters: int = 20, deterministic: bool = True,
+                                   accumulate: bool = False, dX: Optional[Tensor] = None,
+                                   dfn: Optional[Tensor] = None, dscale: Optional[Tensor] = None,
+                                   dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The prepare node's backward: ``(dX, dfn, dscale, dbase)``; dX written once (single cast), the parameter
+    gradients FP32 (added into the given ones with ``accumulate=True``). ``B`` is accepted for symmetry, unread."""
+    hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    T, n, C = X.shape
+    args.like("dY", dY, X, X.shape)
+    args.like("dU", dU, X, (T, C))
+    if B is not None:
+        _check_branch_output("B", B, X)
+    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    args.stats("grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
+    args.flag("deterministic", deterministic)
+    args.flag("accumulate", accumulate)
+    dX = out_tensor("dX", dX, shape=X.shape, dtype=X.dtype, device=X.device)
+    dfn = out_tensor("dfn", dfn, shape=fn.shape, dtype=torch.float32, device=X.device)
+    dscale = out_tensor("dscale", dscale, shape=(3,), dtype=torch.float32, device=X.device)
+    dbase = out_tensor("dbase", dbase, shape=base.shape, dtype=torch.float32, device=X.device)
+    if accumulate and (dfn is None or dscale is None or dbase is None):
+        raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into")
+    return ops.backward_finish_impl(_stream_rows(X), dY, dU, fn, scale, base, _stream_rows(stats), grad_stats, *hp,
+                                    deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
+                                    dscale=dscale, dbase=dbase)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: eager Functions
+# ---------------------------------------------------------------------------------------------
+
+class _LayerState:
+    """What one prepare shares with its finish: the mapping, hyper-parameters and, between the two forwards
+    (and from the finish's backward to the prepare's, when stats are recomputed), the stats record."""
+
+    def __init__(self, fn, scale, base, hparams, save_stats, deterministic):
+        self.fn, self.scale, self.base = fn, scale, base
+        self.hparams = hparams
+        self.save_stats = save_stats
+        self.deterministic = deterministic
+        self.stats = None
+
+    def recompute_stats(self, X: Tensor) -> Tensor:
+        return ops.prepare_impl(X, self.fn, self.scale, self.base, *self.hparams, write_U=False)[1]
+
+
+class CakeMHCTrainPrepareFunction(torch.autograd.Function):
+    """``forward(ctx, X, fn, scale, base, state) -> (U, edge_dY, edge_grad_stats)``.
+
+    The edges hold no data (all strides 0); the finish node takes them as inputs and returns ``dY`` and
+    ``grad_stats`` as their gradients, so this node's backward sees ``dU, dY, grad_stats`` and writes X's
+    whole gradient once."""
+
+    @staticmethod
+    def forward(ctx, X, fn, scale, base, state: _LayerState):
+        X = _stream_rows(X)
+        U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams)
+        state.stats = stats
+        ctx.state = state
+        ctx.save_for_backward(X, fn, scale, base, *((stats,) if state.save_stats else ()))
+        return (U,) + fake.edges(X)
+
+    @staticmethod
+    def backward(ctx, dU, dY, grad_stats):
+        X, fn, scale, base, *kept = ctx.saved_tensors
+        state = ctx.state
+        if kept:
+            stats = kept[0]
+        else:  # recomputed by the finish node's backward, else here
+            stats = state.stats if state.stats is not None else state.recompute_stats(X)
+            state.stats = None
+        if dU is None:
+            dU = X.new_zeros(X.shape[0], X.shape[2])
+        if dY is None:
+            dY = torch.zeros_like(X)
+        if grad_stats is None:
+            grad_stats = X.new_zeros((X.shape[0], layout.GRAD_STATS_WIDTH), dtype=torch.float32)
+        dX, dfn, dscale, dbase = ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats,
+                                                          *state.hparams, deterministic=state.deterministic)
+        return dX, dfn, dscale, dbase, None
+
+
+class CakeMHCTrainFinishFunction(torch.autograd.Function):
+    """``forward(ctx, X, B, state, *edges) -> Y``. Its backward returns no gradient for X: ``dY`` and
+    ``grad_stats`` go to the prepare node through the edges."""
+
+    @staticmethod
+    def forward(ctx, X, B, state: _LayerState, *edges):
+        X, B = _stream_rows(X), _stream_rows(B)
+        stats = state.stats
+        Y = ops.finish_impl(X, B, stats)
+        ctx.state = state
+        if state.save_stats:
+            ctx.save_for_backward(X, B, stats)
+        else:
+            ctx.save_for_backward(X, B)
+        state.stats = None  # the record lives on only where it was saved
+        return Y
+
+    @staticmethod
+    def backward(ctx, dY):
+        X, B, *kept = ctx.saved_tensors
+        state = ctx.state
+        if kept:
+            stats = kept[0]
+        else:  # save_stats=False: recompute once, and hand it on to the prepare node's backward
+            stats = state.stats = state.recompute_stats(X)
+        dB, grad_stats = ops.backward_prepare_impl(dY, B, X, stats)
+        return None, dB, None, dY, grad_stats
+
+
+class CakeMHCTrainHeadFunction(torch.autograd.Function):
+    """The model's final collapse ``Y = mean over streams``; saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, X):
+        ctx.n = X.shape[1]
+        return ops.head_forward_impl(_stream_rows(X))
+
+    @staticmethod
+    def backward(ctx, dY):
+        return ops.head_backward_impl(_stream_rows(dY), ctx.n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: the user-facing pair and the head (custom ops under torch.compile)
+# ---------------------------------------------------------------------------------------------
+
+class MHCTrainHandle:
+    """Returned by ``cake_mhc_train_prepare``; serves exactly one ``cake_mhc_train_finish`` of the same X."""
+
+    def __init__(self, X: Tensor, edges, state: Optional[_LayerState] = None, stats: Optional[Tensor] = None):
+        self.X = X
+        self.edges = edges
+        self.state = state
+        self.stats = stats
+        self.used = False
+
+
+def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
+                           hc_eps: float = 1e-6, sinkhorn_iters: int = 20, save_stats: bool = True,
+                           deterministic: bool = True) -> Tuple[Tensor, MHCTrainHandle]:
+    """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs.
+    ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits)."""
+    hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    args.flag("save_stats", save_stats)
+    args.flag("deterministic", deterministic)
+    if torch.compiler.is_compiling():
+        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(_stream_rows(X), fn, scale, base, *hp, deterministic)
+        return U, MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
+    state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
+    U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X, fn, scale, base, state)
+    return U, MHCTrainHandle(X, (e_dy, e_gs), state=state)
+
+
+def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tensor:
+    """``Y = post * B + comb^T X`` with autograd; ``handle`` from the prepare of this same X, used once."""
+    if not isinstance(handle, MHCTrainHandle):
+        raise TypeError(f"handle: expected the MHCTrainHandle returned by cake_mhc_train_prepare, "
+                        f"got {type(handle).__name__}")
+    if handle.used:
+        raise RuntimeError("handle: this handle was already used by a finish; each prepare serves one finish")
+    if X is not handle.X:
+        raise ValueError("handle: it belongs to the prepare of another X; pass the X given to that prepare")
+    args.streams("X", X)
+    _check_branch_output("B", B, X)
+    handle.used = True
+    if torch.compiler.is_compiling():
+        return torch.ops.cakeops.mhc_finish(_stream_rows(X), _stream_rows(B), handle.stats, *handle.edges)
+    return CakeMHCTrainFinishFunction.apply(X, B, handle.state, *handle.edges)
+
+
+def cake_mhc_train_head(X: Tensor) -> Tensor:
+    """The model's final collapse of the streams, with autograd."""
+    args.streams("X", X)
+    if torch.compiler.is_compiling():
+        return torch.ops.cakeops.mhc_head_fwd(_stream_rows(X))
+    return CakeMHCTrainHeadFunction.apply(X)
+
+
+def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
+    """True where the ops run: CPU (reference math) and CUDA GPUs Triton supports; n = 4, any C >= 1."""
+    from .cake_rmsnorm_train import is_cake_rmsnorm_train_supported
+    return n_streams == layout.N_STREAMS and is_cake_rmsnorm_train_supported(device, hidden)

@@ -1,0 +1,61 @@
+"""Fake implementations of the mHC ops: output shapes, dtypes and strides only.
+
+X, dY: [T, n, C]; B, U, dU: [T, C]; fn [M, n*C], scale [3], base [M] FP32; stats [T, STATS_WIDTH] and
+grad_stats [T, GRAD_STATS_WIDTH] FP32 (layout: mhc_layout.py). Outputs are fresh and contiguous, except the
+two *edges* of the training prepare op, which carry no data (see ``edges``).
+"""
+import torch
+
+from .mhc_layout import GRAD_STATS_WIDTH, STATS_WIDTH
+
+
+def edges(X: torch.Tensor):
+    """The prepare node's two outputs that exist only to be the finish node's inputs, so that the finish
+    node's backward can hand ``dY`` and ``grad_stats`` to the prepare node as their gradients.
+
+    They must have the gradients' shapes ([T, n, C] and [T, GRAD_STATS_WIDTH]) but hold nothing: every
+    stride is 0, so each is one element of storage and costs no HBM traffic.
+    """
+    T, n, C = X.shape
+    e_dy = torch.empty_strided((T, n, C), (0, 0, 0), dtype=X.dtype, device=X.device)
+    e_gs = torch.empty_strided((T, GRAD_STATS_WIDTH), (0, 0), dtype=torch.float32, device=X.device)
+    return e_dy, e_gs
+
+
+def _stats(X):
+    return torch.empty((X.shape[0], STATS_WIDTH), dtype=torch.float32, device=X.device)
+
+
+def mhc_prepare(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int, deterministic: bool):
+    T, n, C = X.shape
+    return (torch.empty((T, C), dtype=X.dtype, device=X.device), _stats(X)) + edges(X)
+
+
+def mhc_stats(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    return _stats(X)
+
+
+def mhc_finish(X, B, stats, edge_dy, edge_gs):
+    return torch.empty_like(X, memory_format=torch.contiguous_format)
+
+
+def mhc_head_fwd(X):
+    T, n, C = X.shape
+    return torch.empty((T, C), dtype=X.dtype, device=X.device)
+
+
+def mhc_head_bwd(dY, n: int):
+    T, C = dY.shape
+    return torch.empty((T, n, C), dtype=dY.dtype, device=dY.device)
+
+
+def mhc_backward_prepare(dY, B, X, stats):
+    T, n, C = X.shape
+    return (torch.empty((T, C), dtype=B.dtype, device=X.device),
+            torch.empty((T, GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device))
+
+
+def mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps: float, hc_eps: float,
+                        sinkhorn_iters: int, deterministic: bool):
+    return (torch.empty_like(X, memory_format=torch.contiguous_format), torch.empty_like(fn),
+            torch.empty_like(scale), torch.empty_like(base))
