@@ -14,12 +14,13 @@ def edges(X: torch.Tensor):
     node's backward can hand ``dY`` and ``grad_stats`` to the prepare node as their gradients.
 
     They must have the gradients' shapes ([T, n, C] and [T, GRAD_STATS_WIDTH]) but hold nothing: every
-    stride is 0, so each is one element of storage and costs no HBM traffic.
+    stride is 0, so each is one element of storage (zeroed, so the op's outputs are deterministic) and costs
+    no HBM traffic.
     """
     T, n, C = X.shape
     e_dy = torch.empty_strided((T, n, C), (0, 0, 0), dtype=X.dtype, device=X.device)
     e_gs = torch.empty_strided((T, GRAD_STATS_WIDTH), (0, 0), dtype=torch.float32, device=X.device)
-    return e_dy, e_gs
+    return e_dy.zero_(), e_gs.zero_()
 
 
 def _stats(X):

@@ -1,0 +1,165 @@
+"""mHC under torch.library.opcheck and torch.compile: every op opcheck-clean, a layer with an MLP branch traced
+fullgraph with gradients equal to eager, dynamic T, and the AOT graphs (one dX producer, no copies)."""
+import pytest
+import torch
+import torch._dynamo
+from expecttest import assert_expected_inline
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_head, cake_mhc_train_prepare
+from cakeops.meta import mhc as fake
+from cakeops.reference import mhc as reference
+from conftest import DEVICE
+
+N, M = 4, 24
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
+                 "test_aot_dispatch_dynamic")
+HP = (0.5, 0.05, 3)  # rms_eps, hc_eps, iters: eps large enough to matter, few iterations to keep it quick
+
+
+def _inputs(T, C, dtype, requires_grad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(T, N, C, generator=g).to(DEVICE, dtype).requires_grad_(requires_grad)
+    fn = (torch.randn(M, N * C, generator=g) / (N * C) ** 0.5).to(DEVICE).requires_grad_(requires_grad)
+    scale = torch.tensor([1.0, 1.0, 3.0], device=DEVICE).requires_grad_(requires_grad)
+    base = torch.randn(M, generator=g).to(DEVICE).requires_grad_(requires_grad)
+    return X, fn, scale, base
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_forward_ops(dtype, requires_grad):
+    X, fn, scale, base = _inputs(5, 8, dtype, requires_grad)
+    B = torch.randn(5, 8, device=DEVICE, dtype=dtype, requires_grad=requires_grad)
+    stats = reference.forward_stats(X.detach(), fn.detach(), scale.detach(), base.detach(), *HP).float()
+    e_dy, e_gs = fake.edges(X.detach())
+    cases = [
+        (torch.ops.cakeops.mhc_prepare.default, (X, fn, scale, base, *HP, True)),
+        (torch.ops.cakeops.mhc_stats.default, (X.detach(), fn.detach(), scale.detach(), base.detach(), *HP)),
+        (torch.ops.cakeops.mhc_finish.default,
+         (X, B, stats, e_dy.requires_grad_(requires_grad), e_gs.requires_grad_(requires_grad))),
+        (torch.ops.cakeops.mhc_head_fwd.default, (X,)),
+        (torch.ops.cakeops.mhc_head_bwd.default, (torch.randn(5, 8, device=DEVICE, dtype=dtype), N)),
+    ]
+    for op, op_args in cases:
+        torch.library.opcheck(op, op_args, test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_opcheck_backward_ops(dtype):
+    X, fn, scale, base = (t.detach() for t in _inputs(5, 8, dtype, False, seed=1))
+    stats = reference.forward_stats(X, fn, scale, base, *HP).float()
+    dY = torch.randn(5, N, 8, device=DEVICE, dtype=dtype)
+    B = torch.randn(5, 8, device=DEVICE, dtype=dtype)
+    gs = reference.backward_prepare(dY, B, X, stats)[1]
+    dU = torch.randn(5, 8, device=DEVICE, dtype=dtype)
+    torch.library.opcheck(torch.ops.cakeops.mhc_backward_prepare.default, (dY, B, X, stats), test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(torch.ops.cakeops.mhc_backward_finish.default,
+                          (X, dY, dU, fn, scale, base, stats, gs, *HP, True), test_utils=OPCHECK_TESTS)
+
+
+class MHCLayer(torch.nn.Module):
+    """prepare -> small MLP branch -> finish, with the mapping as parameters."""
+
+    def __init__(self, C, seed=2):
+        super().__init__()
+        _, fn, scale, base = _inputs(1, C, torch.float32, False, seed)
+        self.fn, self.scale, self.base = (torch.nn.Parameter(t) for t in (fn, scale, base))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(C, 2 * C), torch.nn.GELU(), torch.nn.Linear(2 * C, C))
+
+    def forward(self, X):
+        U, handle = cake_mhc_train_prepare(X, self.fn, self.scale, self.base, rms_eps=HP[0], hc_eps=HP[1],
+                                           sinkhorn_iters=HP[2])
+        Y = cake_mhc_train_finish(X, self.mlp(U), handle)
+        return cake_mhc_train_head(Y)
+
+
+def _grads_after(model, X, g, dynamic_dim=None):
+    model.zero_grad(set_to_none=True)
+    X = X.detach().clone().requires_grad_()
+    if dynamic_dim is not None:
+        torch._dynamo.mark_dynamic(X, dynamic_dim)
+    model(X).backward(g)
+    return [X.grad] + [p.grad for p in model.parameters()]
+
+
+def test_fullgraph_layer_no_graph_breaks_and_eager_equal_gradients():
+    torch.manual_seed(3)
+    layer = MHCLayer(16).to(DEVICE)
+    X = torch.randn(6, N, 16, device=DEVICE)
+    g = torch.randn(6, 16, device=DEVICE)
+    explanation = torch._dynamo.explain(layer)(X)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(_grads_after(compiled, X, g), _grads_after(layer, X, g)):
+        assert torch.equal(got, ref)  # the same kernels on both paths
+
+
+def test_dynamic_tokens_do_not_recompile():
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    layer = MHCLayer(8).to(DEVICE)
+    compiled = torch.compile(layer, fullgraph=True, backend=counting_backend)
+    for T in (5, 11, 19):
+        X = torch.randn(T, N, 8, device=DEVICE)
+        g = torch.randn(T, 8, device=DEVICE)
+        for got, ref in zip(_grads_after(compiled, X, g, dynamic_dim=0), _grads_after(layer, X, g)):
+            assert torch.equal(got, ref)
+    assert len(compiles) == 1
+
+
+def test_aot_graphs_of_a_layer():
+    """The forward holds mhc_prepare and mhc_finish; the backward mhc_backward_prepare and mhc_backward_finish,
+    which alone produces dX, and the dY tangent goes into it untouched (no copy of the edge)."""
+    torch._dynamo.reset()
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm.code.strip()
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    X, fn, scale, base = _inputs(4, 8, torch.float32, True, seed=4)
+
+    def layer(X, fn, scale, base):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])
+        return cake_mhc_train_finish(X, torch.tanh(U), handle)
+
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    Y = torch.compile(layer, backend=backend, fullgraph=True)(X, fn, scale, base)
+    Y.backward(torch.randn_like(Y))
+    for code in graphs.values():
+        assert "clone" not in code and "copy" not in code
+    assert_expected_inline(graphs["forward"], """\
+def forward(self, primals_1, primals_2, primals_3, primals_4):
+    mhc_prepare = torch.ops.cakeops.mhc_prepare.default(primals_1, primals_2, primals_3, primals_4, 0.5, 0.05, 3, True)
+    getitem = mhc_prepare[0]
+    getitem_1 = mhc_prepare[1]
+    getitem_2 = mhc_prepare[2]
+    getitem_3 = mhc_prepare[3];  mhc_prepare = None
+    detach = torch.ops.aten.detach.default(getitem_1)
+    tanh = torch.ops.aten.tanh.default(getitem);  getitem = None
+    detach_1 = torch.ops.aten.detach.default(tanh)
+    mhc_finish = torch.ops.cakeops.mhc_finish.default(primals_1, tanh, getitem_1, getitem_2, getitem_3);  getitem_2 = getitem_3 = None
+    return (mhc_finish, primals_1, primals_2, primals_3, primals_4, getitem_1, detach, tanh, detach_1)""")
+    assert_expected_inline(graphs["backward"], """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, getitem_1, detach, tanh, detach_1, tangents_1):
+    mhc_backward_prepare = torch.ops.cakeops.mhc_backward_prepare.default(tangents_1, tanh, primals_1, getitem_1);  tanh = getitem_1 = None
+    getitem_4 = mhc_backward_prepare[0]
+    getitem_5 = mhc_backward_prepare[1];  mhc_backward_prepare = None
+    detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
+    tanh_backward = torch.ops.aten.tanh_backward.default(getitem_4, detach_2);  getitem_4 = detach_2 = None
+    detach_3 = torch.ops.aten.detach.default(detach);  detach = None
+    mhc_backward_finish = torch.ops.cakeops.mhc_backward_finish.default(primals_1, tangents_1, tanh_backward, primals_2, primals_3, primals_4, detach_3, getitem_5, 0.5, 0.05, 3, True);  primals_1 = tangents_1 = tanh_backward = primals_2 = primals_3 = primals_4 = detach_3 = getitem_5 = None
+    getitem_6 = mhc_backward_finish[0]
+    getitem_7 = mhc_backward_finish[1]
+    getitem_8 = mhc_backward_finish[2]
+    getitem_9 = mhc_backward_finish[3];  mhc_backward_finish = None
+    return (getitem_6, getitem_7, getitem_8, getitem_9)""")
