@@ -24,6 +24,7 @@ from torch import Tensor
 from . import _mhc_args as args
 from ._checks import out_tensor
 from ._ops import mhc as ops
+from ._ops.strides import unit_last as _stream_rows
 from .meta import mhc as fake
 from .meta import mhc_layout as layout
 
@@ -34,10 +35,6 @@ __all__ = [
     "CakeMHCTrainPrepareFunction", "CakeMHCTrainFinishFunction", "CakeMHCTrainHeadFunction", "MHCTrainHandle",
     "is_cake_mhc_train_supported",
 ]
-
-
-def _stream_rows(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
 def _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters):

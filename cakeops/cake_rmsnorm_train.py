@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import _checks
 from ._ops import rmsnorm as ops
+from ._ops.strides import unit_last
 
 __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
@@ -25,8 +26,7 @@ __all__ = [
 
 def _rows(name: str, t: Tensor) -> Tensor:
     """[..., H] -> [T, H] with unit column stride, a view whenever the layout allows."""
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return unit_last(t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t)
 
 
 def _check_x_w(x, w, x_name: str = "x"):

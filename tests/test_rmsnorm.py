@@ -304,3 +304,20 @@ def test_nan_propagates(backend):
     x[1, 5] = float("nan")
     y, rstd = cake_rmsnorm_train_forward(x, torch.ones(64, device=DEVICE), 1e-6)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all() and torch.isnan(rstd[1])
+
+
+def test_custom_ops_take_any_layout(backend):
+    """torch.ops entries can be handed any strides (opcheck and AOT pass such tangents): same results."""
+    torch.manual_seed(8)
+    x = torch.randn(40, 24, device=DEVICE).t()  # [24, 40], column stride != 1
+    w = torch.randn(80, device=DEVICE)[::2]
+    g = torch.randn(40, 24, device=DEVICE).t()
+    y, rstd = torch.ops.cakeops.rmsnorm_fwd(x, w, 1e-6, True)
+    y2, rstd2 = torch.ops.cakeops.rmsnorm_fwd(x.contiguous(), w.contiguous(), 1e-6, True)
+    assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
+    gz = torch.randn(1, 40, device=DEVICE).expand(24, 40)  # zero row stride
+    for grad in (g, gz):
+        got = torch.ops.cakeops.rmsnorm_bwd(grad, x, w, rstd, grad, True)
+        ref = torch.ops.cakeops.rmsnorm_bwd(grad.contiguous(), x.contiguous(), w.contiguous(), rstd,
+                                            grad.contiguous(), True)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))

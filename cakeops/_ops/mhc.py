@@ -23,11 +23,7 @@ from cakeops.meta import mhc_layout as layout
 from .. import _backend
 from ..reference import mhc as reference
 from .determinism import alert_not_deterministic
-
-
-def _unit_last(t: Tensor) -> Tensor:
-    """Kernels read rows in place when the last dim is unit-stride; anything else is copied once."""
-    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+from .strides import unit_last
 
 
 def _empty_stats(X: Tensor) -> Tensor:
@@ -38,6 +34,7 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
                  iters: int, U: Optional[Tensor] = None, stats: Optional[Tensor] = None,
                  write_U: bool = True) -> Tuple[Optional[Tensor], Tensor]:
     """(U, stats); with write_U=False only stats (forward_stats: the same kernel, bitwise the same record)."""
+    X, fn, scale, base = (unit_last(t) for t in (X, fn, scale, base))
     T, n, C = X.shape
     stats = _empty_stats(X) if stats is None else stats
     if write_U and U is None:
@@ -54,6 +51,7 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
 
 
 def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
+    X, B, stats = unit_last(X), unit_last(B), unit_last(stats)
     Y = torch.empty(X.shape, dtype=X.dtype, device=X.device) if Y is None else Y
     if _backend.use_triton(X):
         from .._triton import mhc_forward as kernels
@@ -64,6 +62,7 @@ def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None)
 
 
 def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
+    X = unit_last(X)
     T, n, C = X.shape
     Y = torch.empty((T, C), dtype=X.dtype, device=X.device) if Y is None else Y
     if _backend.use_triton(X):
@@ -75,6 +74,7 @@ def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
 
 
 def head_backward_impl(dY: Tensor, n: int, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    dY = unit_last(dY)
     T, C = dY.shape
     if dX is None:
         dX = torch.empty((T, n, C), dtype=dY.dtype, device=dY.device)
@@ -95,7 +95,7 @@ def backward_prepare_impl(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, dB: O
     dB = torch.empty((T, C), dtype=B.dtype, device=X.device) if dB is None else dB
     if grad_stats is None:
         grad_stats = torch.empty((T, layout.GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device)
-    dY = _unit_last(dY)
+    dY, B, X, stats = unit_last(dY), unit_last(B), unit_last(X), unit_last(stats)
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
         kernels.backward_prepare(dY, B, X, stats, dB, grad_stats)
@@ -119,7 +119,8 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
         dfn = torch.empty_like(fn) if dfn is None else dfn
         dscale = torch.empty_like(scale) if dscale is None else dscale
         dbase = torch.empty_like(base) if dbase is None else dbase
-    dY, dU, grad_stats = _unit_last(dY), _unit_last(dU), _unit_last(grad_stats)
+    X, dY, dU, fn, scale, base, stats, grad_stats = (
+        unit_last(t) for t in (X, dY, dU, fn, scale, base, stats, grad_stats))
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
         kernels.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters,
@@ -161,7 +162,7 @@ def mhc_head_fwd(X: Tensor) -> Tensor:
 
 @torch.library.custom_op("cakeops::mhc_head_bwd", mutates_args=())
 def mhc_head_bwd(dY: Tensor, n: int) -> Tensor:
-    return head_backward_impl(_unit_last(dY), n)
+    return head_backward_impl(dY, n)
 
 
 @torch.library.custom_op("cakeops::mhc_backward_prepare", mutates_args=())

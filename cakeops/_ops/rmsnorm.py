@@ -14,11 +14,14 @@ from cakeops.meta import rmsnorm as fake
 from .. import _backend
 from ..reference import rmsnorm as reference
 from .determinism import alert_not_deterministic
+from .strides import unit_last
 
 
 def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
                  y: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
                  h_out: Optional[Tensor] = None):
+    x, w = unit_last(x), unit_last(w)
+    residual = None if residual is None else unit_last(residual)
     T, H = x.shape
     y = torch.empty((T, H), dtype=x.dtype, device=x.device) if y is None else y
     rstd = torch.empty((T,), dtype=torch.float32, device=x.device) if rstd is None else rstd
@@ -41,6 +44,8 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
                   dx: Optional[Tensor] = None, dw: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     if not deterministic:
         alert_not_deterministic("cakeops rmsnorm backward with deterministic=False")
+    g, x, w = unit_last(g), unit_last(x), unit_last(w)
+    g_residual = None if g_residual is None else unit_last(g_residual)
     T, H = x.shape
     dx = torch.empty((T, H), dtype=x.dtype, device=x.device) if dx is None else dx
     dw = torch.empty((H,), dtype=torch.float32, device=x.device) if dw is None else dw

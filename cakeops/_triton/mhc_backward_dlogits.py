@@ -1,0 +1,187 @@
+"""mHC backward_finish, kernel A: per token, the gradient of the mapping logits (dlogit [M]) and what
+kernel B (mhc_backward_finish.py) needs from it.
+
+Persistent over blocks of BLOCK_T tokens: dpre_i = sum_c dU*X_i (one pass over X and dU), then, on
+[BLOCK_T, n] / [BLOCK_T, n, n] tiles, back through pre = sigmoid + eps, post = 2*sigmoid and the exact
+unrolled Sinkhorn to dlogit. Writes dz = rstd*dmix and s = rstd^2/K * sum_m dmix_m*mix_m to a small FP32
+workspace row per token ([T, M_PAD]: dz at 0..M-1, s at M), and sums dlogit and dlogit*mix over its tokens,
+per logit: one partial row per program (-> dbase, dscale after a fixed-order reduction), or atomics.
+
+Sinkhorn backward: the backward of normalization step s needs that step's input. The kernel replays the
+forward once from the logits (a = mix*scale[2] + base, mix from stats), step for step as
+mhc_prepare._sinkhorn, storing each of the 2*iters - 1 normalization inputs in a per-program FP32 scratch
+[2*iters-1, BLOCK_T, n, n], then walks the steps in reverse: exact, and linear in iters (a replay from the
+logits for every reverse step would be quadratic: ~20x the forward's work at iters=20). Persistent programs
+reuse their slot, so the scratch is programs*(2*iters-1)*BLOCK_T*64 bytes (~10 MB at iters=20 with the
+defaults on an H200) and can stay in L2: X and dU, streamed meanwhile, are loaded evict-first.
+"""
+import triton
+import triton.language as tl
+
+from ..meta import mhc_layout as layout
+from .mhc_prepare import _sigmoid
+
+# Kernels may only read module globals that are constexpr.
+_RSTD = tl.constexpr(layout.RSTD)
+_MIX = tl.constexpr(layout.MIX)
+_DPOST = tl.constexpr(layout.DPOST)
+_DCOMB = tl.constexpr(layout.DCOMB)
+
+M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row
+
+
+@triton.jit
+def _load_logits(row, row_ok, N: tl.constexpr):
+    """The pre [R, N], post [R, N] and res [R, N, N] pieces of the M logit-indexed values at row[r] + m."""
+    j = tl.arange(0, N)
+    ij = j[:, None] * N + j[None, :]
+    pre = tl.load(row[:, None] + j[None, :], mask=row_ok[:, None], other=0.0)
+    post = tl.load(row[:, None] + N + j[None, :], mask=row_ok[:, None], other=0.0)
+    res = tl.load(row[:, None, None] + 2 * N + ij[None, :, :], mask=row_ok[:, None, None], other=0.0)
+    return pre, post, res
+
+
+@triton.jit
+def _put_logits(row, row_ok, pre, post, res, N: tl.constexpr, ATOMIC: tl.constexpr):
+    """Stores (or atomically adds) the three pieces back at row[r] + m, the inverse of _load_logits."""
+    j = tl.arange(0, N)
+    ij = j[:, None] * N + j[None, :]
+    if ATOMIC:
+        tl.atomic_add(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
+        tl.atomic_add(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
+        tl.atomic_add(row[:, None, None] + 2 * N + ij[None, :, :], res, mask=row_ok[:, None, None])
+    else:
+        tl.store(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
+        tl.store(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
+        tl.store(row[:, None, None] + 2 * N + ij[None, :, :], res, mask=row_ok[:, None, None])
+
+
+@triton.jit
+def _normalize(p, AXIS: tl.constexpr, hc_eps):
+    return tl.div_rn(p, tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps)
+
+
+@triton.jit
+def _normalize_backward(dq, p, AXIS: tl.constexpr, hc_eps):
+    """q = p / d, d = sum_AXIS p + eps: dp = (dq - sum_AXIS(dq * q)) / d."""
+    d = tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps
+    q = tl.div_rn(p, d)
+    return tl.div_rn(dq - tl.expand_dims(tl.sum(dq * q, axis=AXIS), AXIS), d)
+
+
+@triton.jit
+def _softmax_rows(a):
+    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
+    return tl.div_rn(e, tl.sum(e, axis=2)[:, :, None])
+
+
+@triton.jit
+def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
+    """da [BLOCK_T, N, N] from dcomb: the exact unrolled Sinkhorn backward, every eps and iteration.
+
+    Replays the forward (mhc_prepare._sinkhorn: softmax + eps, columns, then (rows, columns) * (iters-1))
+    keeping the input of normalization step s at scr + s*STEP, then walks the steps in reverse.
+    """
+    tl.debug_barrier()  # every thread is done reading the previous block's iterates
+    s = _softmax_rows(a)
+    p = s + hc_eps
+    tl.store(scr, p)
+    p = _normalize(p, 1, hc_eps)
+    for k in range(1, iters):
+        tl.store(scr + (2 * k - 1) * STEP, p)
+        p = _normalize(p, 2, hc_eps)
+        tl.store(scr + 2 * k * STEP, p)
+        p = _normalize(p, 1, hc_eps)
+    tl.debug_barrier()  # the iterates are visible to every thread
+    dp = dcomb
+    for r in range(1, iters):
+        k = iters - r
+        dp = _normalize_backward(dp, tl.load(scr + 2 * k * STEP), 1, hc_eps)
+        dp = _normalize_backward(dp, tl.load(scr + (2 * k - 1) * STEP), 2, hc_eps)
+    dp = _normalize_backward(dp, tl.load(scr), 1, hc_eps)
+    # P0 = softmax(a) + eps: the eps has gradient one, then the row softmax.
+    return s * (dp - tl.sum(dp * s, axis=2)[:, :, None])
+
+
+@triton.jit
+def _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut,
+                       N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c], FP32, reduced once after the chunk loop."""
+    offs_c = tl.arange(0, BLOCK_C)
+    j = tl.arange(0, N)
+    x_rows = X + t64[:, None, None] * stride_xt + j[None, :, None] * stride_xi
+    u_rows = DU + t64[:, None] * stride_ut
+    acc = tl.zeros([BLOCK_T, N, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + offs_c
+        mask = t_ok[:, None] & (c < C)[None, :]
+        du = tl.load(u_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(x_rows + c[None, None, :], mask=mask[:, None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        acc += x * du[:, None, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _dlogits_kernel(
+    X, DU, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
+    T, C, stride_xt, stride_xi, stride_ut, stride_st, stride_gt, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Kernel A (see the module docstring). Padded tokens have zero upstream gradients, hence zero dlogits."""
+    M = 2 * N + N * N
+    pid = tl.program_id(0)
+    tt = tl.arange(0, BLOCK_T)
+    j = tl.arange(0, N)
+    ij = j[:, None] * N + j[None, :]
+    STEP = BLOCK_T * N * N
+    scr = SCR + pid.to(tl.int64) * (2 * iters - 1) * STEP + (tt[:, None, None] * (N * N) + ij[None, :, :])
+    scale_pre, scale_post, scale_res = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
+    one = tl.zeros([1], dtype=tl.int32)  # the logit-indexed vectors below are one "row" of _load_logits
+    base_pre, base_post, base_res = _load_logits(BASE + one, one == 0, N)
+    # Sums over this program's tokens, per logit: dlogit (-> dbase) and dlogit*mix (-> dscale).
+    db_pre = tl.zeros([1, N], dtype=tl.float32)
+    db_post = tl.zeros([1, N], dtype=tl.float32)
+    db_res = tl.zeros([1, N, N], dtype=tl.float32)
+    ds_pre, ds_post, ds_res = db_pre, db_post, db_res
+    for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = block * BLOCK_T + tt
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        dpre = _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
+        s_row = STATS + t64 * stride_st
+        g_row = GS + t64 * stride_gt
+        mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
+        rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
+        dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
+        dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
+        # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
+        sg_pre = _sigmoid(mix_pre * scale_pre + base_pre)
+        sg_post = _sigmoid(mix_post * scale_post + base_post)
+        dl_pre = dpre * sg_pre * (1.0 - sg_pre)
+        dl_post = dpost * 2.0 * sg_post * (1.0 - sg_post)
+        dl_res = _sinkhorn_backward(mix_res * scale_res + base_res, dcomb, hc_eps, iters, scr, STEP)
+
+        dm_pre, dm_post, dm_res = dl_pre * scale_pre, dl_post * scale_post, dl_res * scale_res
+        dmix_mix = (tl.sum(dm_pre * mix_pre, axis=1) + tl.sum(dm_post * mix_post, axis=1)
+               + tl.sum(tl.sum(dm_res * mix_res, axis=2), axis=1))
+        dz_row = DZ + t64 * M_PAD
+        _put_logits(dz_row, t_ok, rstd[:, None] * dm_pre, rstd[:, None] * dm_post, rstd[:, None, None] * dm_res,
+                    N, False)
+        tl.store(dz_row + M, tl.div_rn(rstd * rstd, (N * C) * 1.0) * dmix_mix, mask=t_ok)
+
+        db_pre += tl.sum(dl_pre, axis=0, keep_dims=True)
+        db_post += tl.sum(dl_post, axis=0, keep_dims=True)
+        db_res += tl.sum(dl_res, axis=0, keep_dims=True)
+        ds_pre += tl.sum(dl_pre * mix_pre, axis=0, keep_dims=True)
+        ds_post += tl.sum(dl_post * mix_post, axis=0, keep_dims=True)
+        ds_res += tl.sum(dl_res * mix_res, axis=0, keep_dims=True)
+    if ATOMIC:
+        _put_logits(DBASE + one, one == 0, db_pre, db_post, db_res, N, True)
+        tl.atomic_add(DSCALE, tl.sum(ds_pre))
+        tl.atomic_add(DSCALE + 1, tl.sum(ds_post))
+        tl.atomic_add(DSCALE + 2, tl.sum(ds_res))
+    else:
+        row = PART + pid * (2 * M_PAD) + one
+        _put_logits(row, one == 0, db_pre, db_post, db_res, N, False)
+        _put_logits(row + M_PAD, one == 0, ds_pre, ds_post, ds_res, N, False)
