@@ -78,6 +78,24 @@ def _dx_row_tile(g, x, w, rstd, width):
 
 
 @triton.jit
+def _load_bwd_rows(G, X, RSTD, GRES, block, T, H, stride_g, stride_x, stride_gres, cols,
+                   HAS_GRES: tl.constexpr, ROWS: tl.constexpr):
+    """(g, x, rstd, g_residual or 0) of one row block in FP32; rows past T read as zeros (no traffic)."""
+    rows = block * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    rows = rows.to(tl.int64)[:, None]
+    mask = row_ok[:, None] & (cols < H)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GRES:
+        gres = tl.load(GRES + rows * stride_gres + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        gres = tl.zeros_like(g)
+    return g, x, rstd, gres
+
+
+@triton.jit
 def _rmsnorm_bwd_kernel(
     G, X, W, RSTD, GRES, DX, DW_OUT,
     T, H, stride_g, stride_x, stride_gres, stride_dx, stride_dw,
@@ -94,19 +112,21 @@ def _rmsnorm_bwd_kernel(
         col_ok = cols < H
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        for block in range(pid, num_blocks, num_programs):
+        # The next row block is loaded before this one is reduced and stored: a row's dx needs its whole
+        # row first, so without the prefetch each program would idle for a full HBM latency per block.
+        block = pid
+        g, x, rstd, gres = _load_bwd_rows(G, X, RSTD, GRES, block, T, H, stride_g, stride_x, stride_gres, cols,
+                                          HAS_GRES, ROWS)
+        for _ in range(pid, num_blocks, num_programs):
+            nxt = block + num_programs
+            g_n, x_n, rstd_n, gres_n = _load_bwd_rows(G, X, RSTD, GRES, nxt, T, H, stride_g, stride_x,
+                                                      stride_gres, cols, HAS_GRES, ROWS)
             rows = block * ROWS + tl.arange(0, ROWS)
-            row_ok = rows < T
-            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            rows = rows.to(tl.int64)[:, None]
-            mask = row_ok[:, None] & col_ok
-            g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dx = _dx_row_tile(g, x, w, rstd, H)
-            if HAS_GRES:
-                dx += tl.load(GRES + rows * stride_gres + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            mask = (rows < T)[:, None] & col_ok
+            dx = _dx_row_tile(g, x, w, rstd, H) + gres
+            tl.store(DX + rows.to(tl.int64)[:, None] * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw += tl.sum(g * x * rstd[:, None], axis=0)
+            g, x, rstd, gres, block = g_n, x_n, rstd_n, gres_n, nxt
         dw_cols = tl.arange(0, BLOCK)
         if ATOMIC_DW:
             tl.atomic_add(DW_OUT + dw_cols, dw, mask=dw_cols < H)
