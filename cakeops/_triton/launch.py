@@ -7,16 +7,18 @@ import triton
 from .. import _backend
 
 
-def tile_config(width: int, elem_bytes: int, max_tile: int = 16384):
+def tile_config(width: int, elem_bytes: int, tile_elems: int = 4096, thread_bytes: int = 32,
+                max_tile: int = 16384):
     """Row tile for a [T, width] pass: (ROWS, BLOCK, NUM_CHUNKS, num_warps).
 
     Rows up to ``max_tile`` elements live whole in registers (one HBM read per element); wider rows are
-    walked in chunks. Narrow rows are packed several to a program so each program moves >= 4096 elements.
+    walked in chunks. Narrow rows are packed several to a program so each program moves ``tile_elems``
+    elements; warps are chosen so each thread holds ``thread_bytes`` of each tensor.
     """
     block = min(triton.next_power_of_2(max(width, 1)), max_tile)
     chunks = triton.cdiv(width, block)
-    rows = max(1, min(64, 4096 // block)) if chunks == 1 else 1
-    per_thread = max(1, 16 // elem_bytes) * 2  # two 16-byte vectors per thread per tensor
+    rows = max(1, min(64, tile_elems // block)) if chunks == 1 else 1
+    per_thread = max(1, thread_bytes // elem_bytes)
     warps = triton.next_power_of_2(max(1, min(16, rows * block // (32 * per_thread))))
     return rows, block, chunks, warps
 

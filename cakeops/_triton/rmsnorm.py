@@ -182,8 +182,11 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     T, H = x.shape
     if T == 0:
         return
-    rows, block, chunks, warps = tile_config(H, x.element_size())
     has_res = residual is not None
+    # Measured on H200 (bf16, H = 4096 and 8192): 16K elements and 128 B per thread without the residual,
+    # 8K elements and 32 B per thread with it (three streams in flight instead of two).
+    rows, block, chunks, warps = tile_config(H, x.element_size(), tile_elems=8192 if has_res else 16384,
+                                             thread_bytes=32 if has_res else 128)
     r = residual if has_res else x
     h = h_out if has_res else y
     _rmsnorm_fwd_kernel[(triton.cdiv(T, rows),)](
