@@ -1,0 +1,220 @@
+"""mHC bench cases: forward_prepare, forward_finish, head (fwd, bwd), backward_prepare, backward_finish, and one
+whole layer forward + backward with an identity branch.
+
+Peers run the reference math (``cakeops.reference.mhc``) in eager torch and under torch.compile; the oracle of
+every check is that math in float64 on the same inputs.
+"""
+import functools
+from types import SimpleNamespace
+
+import torch
+
+from .. import cake_mhc_train as mhc
+from ..meta import mhc_layout as layout
+from ..reference import mhc as ref
+from ..testing import rel_err
+from .core import Case, generator, register
+
+N, M = layout.N_STREAMS, layout.N_LOGITS
+HP = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
+SHAPES = ({"T": 16384, "C": 4096}, {"T": 16384, "C": 7168}, {"T": 8192, "C": 4096})  # first: `bench --quick`
+TINY = {"T": 32, "C": 64}
+OUT_TOL, STATS_TOL, GRAD_TOL = 4e-3, 1e-3, 1e-2  # SPEC §5: bf16 outputs, FP32 records (bf16 projection), grads
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def _make(device, dtype, size):
+    T, C = size["T"], size["C"]
+    gen = generator(device, "mhc", T, C)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    s = SimpleNamespace(X=randn(T, N, C), B=randn(T, C), dY=randn(T, N, C), dU=randn(T, C))
+    s.fn = randn(M, N * C, dt=torch.float32) / (N * C) ** 0.5
+    s.scale = torch.tensor([1.0, 1.0, 3.0], device=device)  # logits far from uniform
+    s.base = randn(M, dt=torch.float32)
+    s.U, s.stats = mhc.cake_mhc_train_forward_prepare(s.X, s.fn, s.scale, s.base, **HP)
+    s.grad_stats = mhc.cake_mhc_train_backward_prepare(s.dY, s.B, s.X, s.stats)[1]
+    return s
+
+
+def _hp_args():
+    return HP["rms_eps"], HP["hc_eps"], HP["sinkhorn_iters"]
+
+
+def _d(s):
+    return SimpleNamespace(**{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in vars(s).items()})
+
+
+def _errors(names, got, want):
+    return {name: rel_err(g, w) for name, g, w in zip(names, got, want)}
+
+
+# ---- forward ----
+
+def _prepare(s):
+    return mhc.cake_mhc_train_forward_prepare(s.X, s.fn, s.scale, s.base, **HP)
+
+
+def _prepare_ref(s):
+    return ref.forward_prepare(s.X, s.fn, s.scale, s.base, *_hp_args())
+
+
+def _prepare_bytes(s):
+    return s.X.nbytes + s.fn.nbytes + s.U.nbytes + s.stats.nbytes
+
+
+def _prepare_check(s):
+    d = _d(s)
+    got = _prepare(s)
+    want = _prepare_ref(d)
+    return _errors(("U", "stats"), got, want)
+
+
+def _finish(s):
+    return mhc.cake_mhc_train_forward_finish(s.X, s.B, s.stats)
+
+
+def _finish_ref(s):
+    return ref.forward_finish(s.X, s.B, s.stats)
+
+
+def _finish_bytes(s):
+    return 2 * s.X.nbytes + s.B.nbytes + s.stats.nbytes
+
+
+def _finish_check(s):
+    return {"Y": rel_err(_finish(s), _finish_ref(_d(s)))}
+
+
+def _head(s):
+    return mhc.cake_mhc_train_head_forward(s.X)
+
+
+def _head_bytes(s):
+    return s.X.nbytes + s.X.nbytes // N
+
+
+def _head_check(s):
+    return {"Y": rel_err(_head(s), ref.head_forward(s.X.double()))}
+
+
+def _head_bwd(s):
+    return mhc.cake_mhc_train_head_backward(s.dU)
+
+
+def _head_bwd_ref(s):
+    return ref.head_backward(s.dU, N)
+
+
+def _head_bwd_check(s):
+    return {"dX": rel_err(_head_bwd(s), ref.head_backward(s.dU.double(), N))}
+
+
+# ---- backward ----
+
+def _bwd_prepare(s):
+    return mhc.cake_mhc_train_backward_prepare(s.dY, s.B, s.X, s.stats)
+
+
+def _bwd_prepare_ref(s):
+    return ref.backward_prepare(s.dY, s.B, s.X, s.stats)
+
+
+def _bwd_prepare_bytes(s):
+    return s.dY.nbytes + 2 * s.B.nbytes + s.X.nbytes + s.stats.nbytes + s.grad_stats.nbytes
+
+
+def _bwd_prepare_check(s):
+    return _errors(("dB", "grad_stats"), _bwd_prepare(s), _bwd_prepare_ref(_d(s)))
+
+
+def _bwd_finish(s):
+    return mhc.cake_mhc_train_backward_finish(s.X, s.dY, s.dU, None, s.fn, s.scale, s.base, s.stats, s.grad_stats,
+                                              **HP)
+
+
+def _bwd_finish_ref(s):
+    return ref.backward_finish(s.X, s.dY, s.dU, s.fn, s.scale, s.base, s.stats, s.grad_stats, *_hp_args())
+
+
+def _bwd_finish_bytes(s):
+    return (3 * s.X.nbytes + s.dU.nbytes + 2 * s.fn.nbytes + s.stats.nbytes + s.grad_stats.nbytes
+            + s.scale.nbytes + s.base.nbytes)  # X, dY, dX; dU; fn, dfn; records; dscale, dbase
+
+
+def _bwd_finish_check(s):
+    return _errors(("dX", "dfn", "dscale", "dbase"), _bwd_finish(s), _bwd_finish_ref(_d(s)))
+
+
+# ---- one whole layer, forward + backward, identity branch ----
+
+def _layer_leaves(s):
+    if getattr(s, "leaves", None) is None:
+        s.leaves = [t.detach().requires_grad_() for t in (s.X, s.fn, s.scale, s.base)]
+    return s.leaves
+
+
+def _layer(s):
+    X, fn, scale, base = _layer_leaves(s)
+    U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, **HP)
+    Y = mhc.cake_mhc_train_finish(X, U, handle)
+    return torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
+
+
+def _layer_math(X, fn, scale, base, dY):
+    leaves = [t.detach().requires_grad_() for t in (X, fn, scale, base)]
+    Y = ref.layer(*leaves, lambda u: u, *_hp_args())
+    return torch.autograd.grad(Y, leaves, dY)
+
+
+def _layer_ref(s):
+    return _layer_math(s.X, s.fn, s.scale, s.base, s.dY)
+
+
+def _layer_compiled(s):
+    return _compiled(_layer_math)(s.X, s.fn, s.scale, s.base, s.dY)
+
+
+def _layer_bytes(s):
+    return (_prepare_bytes(s) + _finish_bytes(s) + _bwd_prepare_bytes(s) + _bwd_finish_bytes(s))
+
+
+def _layer_check(s):
+    return _errors(("dX", "dfn", "dbase"), [g for i, g in enumerate(_layer(s)) if i != 2],
+                   [g for i, g in enumerate(_layer_math(*(t.double() for t in (s.X, s.fn, s.scale, s.base, s.dY))))
+                    if i != 2])
+
+
+def _cases():
+    def peers(eager):
+        return {"torch eager": eager, "torch.compile": lambda s: _compiled(eager)(s)}
+
+    kinds = (
+        ("mhc forward_prepare", _prepare, _prepare_bytes, _prepare_check, {"U": OUT_TOL, "stats": STATS_TOL},
+         _prepare_ref),
+        ("mhc forward_finish", _finish, _finish_bytes, _finish_check, {"Y": OUT_TOL}, _finish_ref),
+        ("mhc head fwd", _head, _head_bytes, _head_check, {"Y": OUT_TOL}, lambda s: ref.head_forward(s.X)),
+        ("mhc head bwd", _head_bwd, _head_bytes, _head_bwd_check, {"dX": OUT_TOL}, _head_bwd_ref),
+        ("mhc backward_prepare", _bwd_prepare, _bwd_prepare_bytes, _bwd_prepare_check,
+         {"dB": GRAD_TOL, "grad_stats": GRAD_TOL}, _bwd_prepare_ref),
+        ("mhc backward_finish", _bwd_finish, _bwd_finish_bytes, _bwd_finish_check,
+         {"dX": GRAD_TOL, "dfn": GRAD_TOL, "dscale": GRAD_TOL, "dbase": GRAD_TOL}, _bwd_finish_ref),
+    )
+    for name, run, nbytes, check, tol, eager in kinds:
+        for i, size in enumerate(SHAPES):
+            yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
+                       peers=peers(eager), tiny=TINY, quick=i == 0)
+    layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled}
+    for i, size in enumerate(SHAPES[:2]):
+        yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
+                   nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
+                   peers=layer_peers, tiny=TINY, quick=i == 0)
+
+
+register(*_cases())
