@@ -170,15 +170,17 @@ def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Op
     return False
 
 
-def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Union[str, torch.device]) -> int:
-    """FP32 elements of the workspace the deterministic backward uses (per-program dw partials)."""
+def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Union[str, torch.device],
+                                       dtype: torch.dtype = torch.bfloat16) -> int:
+    """FP32 elements of the workspace the deterministic backward uses (per-program dw partials) for x of
+    this dtype; a smaller workspace given to the backward is replaced by a fresh one."""
     from ._triton.rmsnorm import workspace_rows
 
-    return workspace_rows(torch.device(device), num_tokens, hidden) * hidden
+    return workspace_rows(torch.device(device), num_tokens, hidden, torch.empty((), dtype=dtype).element_size()) * hidden
 
 
-def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int,
-                                          device: Union[str, torch.device]) -> Tensor:
+def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int, device: Union[str, torch.device],
+                                          dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """A workspace for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of these sizes."""
-    return torch.empty(cake_rmsnorm_train_workspace_numel(num_tokens, hidden, device), dtype=torch.float32,
+    return torch.empty(cake_rmsnorm_train_workspace_numel(num_tokens, hidden, device, dtype), dtype=torch.float32,
                        device=device)

@@ -124,7 +124,7 @@ def test_caller_buffers_are_written(backend, with_residual):
     g = torch.randn_like(x)
     dx = torch.full_like(x, float("nan"))
     dw = torch.full((H,), float("nan"), device=DEVICE)
-    ws = cake_rmsnorm_train_allocate_workspace(T, H, DEVICE)
+    ws = cake_rmsnorm_train_allocate_workspace(T, H, DEVICE, x.dtype)
     got = cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=r, workspace=ws, dx=dx, dw=dw)
     assert got[0] is dx and got[1] is dw
     ref = cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=r)
