@@ -105,7 +105,9 @@ def test_main_quick_on_cpu_exits_0(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "No CUDA device" in printed
     rows = json.loads((tmp_path / "check.json").read_text())["rows"]
-    assert [r["op"] for r in rows] == RMSNORM_OPS and all(r["ok"] for r in rows)
+    ops = [r["op"] for r in rows]
+    assert [op for op in ops if op.startswith("rmsnorm") or op.startswith("add+")] == RMSNORM_OPS
+    assert any(op.startswith("mhc ") for op in ops) and all(r["ok"] for r in rows)
     assert "| op | shape | dtype | path |" in (tmp_path / "check.md").read_text()
 
 
