@@ -268,12 +268,14 @@ def test_row_strided_inputs_and_outputs(triton_kernels, gen):
     dB_s = poisoned(case.T, 2 * case.C, dtype=case.dtype)[:, :case.C]
     gs_s = poisoned(case.T, 2 * GRAD_STATS_WIDTH)[:, GRAD_STATS_WIDTH:]
     K.backward_prepare(dY, B, X, stats, dB_s, gs_s)
-    assert torch.equal(dB_s, dB) and torch.equal(gs_s, gs)
+    # Bitwise under the interpreter; on a GPU another row stride changes the load vectorization and so the
+    # order of the FP32 row sums of grad_stats (the values agree to rounding).
+    assert torch.equal(dB_s, dB) and rel_err(gs_s, gs) <= (1e-6 if ON_GPU else 0)
 
     dX_s = poisoned(case.T, N + 2, 2 * case.C, dtype=case.dtype)[:, 1:N + 1, case.C:]
     strided = case.finish(dX=dX_s, X=X, dY=dY, dU=dU, stats=stats, grad_stats=grad_stats)
     for a, b in zip(strided, case.finish()):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if not ON_GPU else rel_err(a, b) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------------------

@@ -323,4 +323,6 @@ def test_custom_ops_take_any_layout(backend):
         got = torch.ops.cakeops.rmsnorm_bwd(grad, x, w, rstd, grad, True)
         ref = torch.ops.cakeops.rmsnorm_bwd(grad.contiguous(), x.contiguous(), w.contiguous(), rstd,
                                             grad.contiguous(), True)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        # Bitwise under the interpreter; on a GPU a stride-0 row changes the load vectorization and so the
+        # order of the row sums: the same values up to FP32 rounding.
+        assert all(rel_err(a, b) <= (0 if not ON_GPU else 1e-6) for a, b in zip(got, ref))
