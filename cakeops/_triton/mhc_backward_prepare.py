@@ -26,42 +26,59 @@ _GRAD_STATS_WIDTH = tl.constexpr(layout.GRAD_STATS_WIDTH)
 def _backward_prepare_kernel(
     DY, B, X, STATS, DB, GS, C,
     stride_dyt, stride_dyi, stride_bt, stride_xt, stride_xi, stride_st, stride_dbt, stride_gt,
-    N: tl.constexpr, BLOCK_C: tl.constexpr,
+    N: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
 ):
-    # Only 2-D [n, BLOCK_C] tiles: a [n, n, BLOCK_C] broadcast made the compiler shuffle layouts through
-    # shared memory every chunk (452 GB/s on H200). dcomb is kept as one [n, BLOCK_C] accumulator per
-    # stream i of X, written out for n = 4.
-    tl.static_assert(N == 4)
+    # Tiles are [BLOCK_C, N]: C, the contiguous axis, first. The compiler then spreads columns over threads
+    # and keeps a column's N streams inside one thread, so every per-chunk reduction over streams (dB) is
+    # thread-local -- with [N, BLOCK_C] tiles the streams landed on different warps and each chunk paid
+    # shared-memory round trips and barriers (462 GB/s on H200).
+    # dcomb[i, j] = sum_c X_i * dY_j is gathered on the diagonals of a "rolled" dY: accumulator s holds
+    # X_i * dY_{(i+s) mod N}; the rolled tiles re-read dY lines already in L1.
     t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, N)
+    i = tl.arange(0, N)
     offs_c = tl.arange(0, BLOCK_C)
-    post = tl.load(STATS + t * stride_st + _POST + j)
-    dy_rows = DY + t * stride_dyt + j[:, None] * stride_dyi
-    x_row = X + t * stride_xt
-    acc_post = tl.zeros([N, BLOCK_C], dtype=tl.float32)
-    acc0 = tl.zeros([N, BLOCK_C], dtype=tl.float32)
-    acc1 = tl.zeros([N, BLOCK_C], dtype=tl.float32)
-    acc2 = tl.zeros([N, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([N, BLOCK_C], dtype=tl.float32)
+    post = tl.load(STATS + t * stride_st + _POST + i)
+    dy_base = DY + t * stride_dyt
+    x_cols = X + t * stride_xt + i[None, :] * stride_xi
+    acc_post = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        c = c0 + offs_c
-        c_ok = c < C
-        dy = tl.load(dy_rows + c[None, :], mask=c_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(B + t * stride_bt + c, mask=c_ok, other=0.0).to(tl.float32)
-        tl.store(DB + t * stride_dbt + c, tl.sum(post[:, None] * dy, axis=0).to(DB.dtype.element_ty), mask=c_ok)
-        acc_post += dy * b[None, :]
-        acc0 += tl.load(x_row + c, mask=c_ok, other=0.0).to(tl.float32)[None, :] * dy
-        acc1 += tl.load(x_row + stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)[None, :] * dy
-        acc2 += tl.load(x_row + 2 * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)[None, :] * dy
-        acc3 += tl.load(x_row + 3 * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)[None, :] * dy
+        c = (c0 + offs_c)[:, None]
+        m = c < C
+        dy = tl.load(dy_base + i[None, :] * stride_dyi + c, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_cols + c, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(B + t * stride_bt + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(DB + t * stride_dbt + (c0 + offs_c), tl.sum(dy * post[None, :], axis=1).to(DB.dtype.element_ty),
+                 mask=(c0 + offs_c) < C)
+        acc_post += _fold(dy * b, BLOCK_C, VEC, N)
+        acc0 += _fold(x * dy, BLOCK_C, VEC, N)
+        acc1 += _fold(x * _rolled(dy_base, i, 1, stride_dyi, c, m, N), BLOCK_C, VEC, N)
+        acc2 += _fold(x * _rolled(dy_base, i, 2, stride_dyi, c, m, N), BLOCK_C, VEC, N)
+        acc3 += _fold(x * _rolled(dy_base, i, 3, stride_dyi, c, m, N), BLOCK_C, VEC, N)
     g_row = GS + t * stride_gt
-    tl.store(g_row + _DPOST + j, tl.sum(acc_post, axis=1))
-    tl.store(g_row + _DCOMB + j, tl.sum(acc0, axis=1))
-    tl.store(g_row + _DCOMB + N + j, tl.sum(acc1, axis=1))
-    tl.store(g_row + _DCOMB + 2 * N + j, tl.sum(acc2, axis=1))
-    tl.store(g_row + _DCOMB + 3 * N + j, tl.sum(acc3, axis=1))
+    tl.store(g_row + _DPOST + i, tl.sum(acc_post, axis=0))
+    tl.store(g_row + _DCOMB + i * N + i, tl.sum(acc0, axis=0))
+    tl.store(g_row + _DCOMB + i * N + (i + 1) % N, tl.sum(acc1, axis=0))
+    tl.store(g_row + _DCOMB + i * N + (i + 2) % N, tl.sum(acc2, axis=0))
+    tl.store(g_row + _DCOMB + i * N + (i + 3) % N, tl.sum(acc3, axis=0))
     w = tl.arange(0, _GRAD_STATS_WIDTH)
     tl.store(g_row + w, tl.zeros([_GRAD_STATS_WIDTH], dtype=tl.float32), mask=w >= _GRAD_STATS_USED)
+
+
+@triton.jit
+def _fold(p, BLOCK_C: tl.constexpr, VEC: tl.constexpr, N: tl.constexpr):
+    """[BLOCK_C, N] -> [BLOCK_C // VEC, N]: sums each thread's VEC adjacent columns (its own registers), so the
+    accumulators stay small."""
+    return tl.sum(tl.reshape(p, [BLOCK_C // VEC, VEC, N]), axis=1)
+
+
+@triton.jit
+def _rolled(dy_base, i, shift: tl.constexpr, stride_dyi, c, m, N: tl.constexpr):
+    """dY with its streams rotated by ``shift``: column i holds dY_{(i+shift) mod N}, in FP32."""
+    return tl.load(dy_base + ((i + shift) % N)[None, :] * stride_dyi + c, mask=m, other=0.0).to(tl.float32)
 
 
 def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: torch.Tensor, dB: torch.Tensor,
@@ -70,7 +87,8 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     """dB [T, C] = round(sum_j post_j * dY[:, j]); grad_stats [T, 32] FP32 = dpost | dcomb | zeros.
 
     dY, X [T, n, C] and B, dB [T, C] need a unit stride along C only; stats and grad_stats rows may be
-    strided too. Default tile: 512 columns x (n + n*n) accumulators over 8 warps, 8 fp32 per thread each.
+    strided too. Default tile: 256 columns per warp (each thread one 16-byte vector of every stream), 4
+    warps; for sm_90 that compiles to 128 registers, 128-bit loads and no barrier inside the column loop.
     """
     T, n, C = X.shape
     if T == 0:
@@ -79,13 +97,14 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     assert dY.stride(2) == 1 and X.stride(2) == 1 and B.stride(1) == 1 and dB.stride(1) == 1
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
     assert grad_stats.shape == (T, layout.GRAD_STATS_WIDTH) and stats.shape == (T, layout.STATS_WIDTH)
-    if block_c is None:
-        block_c = max(16, min(512, triton.next_power_of_2(C)))
+    vec = 16 // X.element_size()  # elements of one 16-byte load: the columns a thread folds in registers
     if num_warps is None:
-        num_warps = max(1, min(8, block_c // 64))
+        num_warps = 4 if C >= 1024 else 1
+    if block_c is None:
+        block_c = max(vec, min(32 * vec * num_warps, triton.next_power_of_2(C)))
     _backward_prepare_kernel[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
         dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),
         grad_stats.stride(0),
-        N=n, BLOCK_C=block_c, num_warps=num_warps,
+        N=n, BLOCK_C=block_c, VEC=min(vec, block_c), num_warps=num_warps,
     )
