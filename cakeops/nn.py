@@ -29,3 +29,72 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, deterministic={self.deterministic}"
+
+
+class MHC(nn.Module):
+    """One mHC layer around a branch: ``X [..., n, C] -> [..., n, C]`` = prepare -> ``branch(U)`` -> finish.
+
+    Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
+    Initialised so the layer starts as a plain residual block: group scales 0.01 (the projection barely moves
+    the logits), pre gates at 1/n (U is the mean of the streams), post gates at 1 (every stream receives the
+    branch output) and a mixing matrix near the identity (diagonal logits 4).
+    The branch sees ``U`` with the leading dims of X: ``[..., C]``.
+    """
+
+    def __init__(self, branch: nn.Module, hidden_size: int, n_streams: int = 4, *, sinkhorn_iters: int = 20,
+                 rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, save_stats: bool = True,
+                 device=None):
+        super().__init__()
+        from .meta import mhc_layout as layout
+
+        if n_streams != layout.N_STREAMS:
+            raise NotImplementedError(f"n_streams: only {layout.N_STREAMS} streams are supported, got {n_streams}")
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
+        n, C = n_streams, hidden_size
+        self.branch = branch
+        self.hidden_size, self.n_streams = C, n
+        self.sinkhorn_iters, self.rms_eps, self.hc_eps = sinkhorn_iters, rms_eps, hc_eps
+        self.deterministic, self.save_stats = deterministic, save_stats
+        self.fn = nn.Parameter(torch.randn(layout.N_LOGITS, n * C, device=device) / (n * C) ** 0.5)
+        self.scale = nn.Parameter(torch.full((3,), 0.01, device=device))
+        base = torch.zeros(layout.N_LOGITS, device=device)
+        base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
+        base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
+        self.base = nn.Parameter(base)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        from .cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare
+
+        lead, (n, C) = X.shape[:-2], X.shape[-2:]
+        X2 = X.reshape(-1, n, C)
+        U, handle = cake_mhc_train_prepare(X2, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
+                                           hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
+                                           save_stats=self.save_stats, deterministic=self.deterministic)
+        B = self.branch(U.reshape(*lead, C)).reshape(-1, C)
+        return cake_mhc_train_finish(X2, B, handle).reshape(X.shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
+                f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}")
+
+
+class StreamExpand(nn.Module):
+    """``[..., C] -> [..., n, C]``: the embedding copied into n residual streams (backward: the sum over streams)."""
+
+    def __init__(self, n_streams: int = 4):
+        super().__init__()
+        self.n_streams = n_streams
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
+
+
+class MHCHead(nn.Module):
+    """``[..., n, C] -> [..., C]``: the model's final collapse, the mean of the streams (cakeops head op)."""
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        from .cake_mhc_train import cake_mhc_train_head
+
+        n, C = X.shape[-2:]
+        return cake_mhc_train_head(X.reshape(-1, n, C)).reshape(*X.shape[:-2], C)

@@ -1,0 +1,142 @@
+"""A 2-layer mHC transformer (attention and MLP branches, cakeops RMSNorm pre-norms) under torch.compile:
+no graph breaks, loss and gradients equal to eager, dynamic sequence length, the cakeops op sequence of the
+forward and backward graphs, CUDA graphs (GPU) and torch.export."""
+import re
+
+import pytest
+import torch
+import torch._dynamo
+from expecttest import assert_expected_inline
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from cakeops.tiny_lm import TinyLM
+from conftest import DEVICE, ON_GPU
+
+VOCAB, DIM = 48, 32
+
+
+def _model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyLM(VOCAB, DIM, layers=2, heads=4, **kw).to(DEVICE)
+
+
+def _tokens(batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g).to(DEVICE)
+
+
+def _loss_and_grads(loss_fn, model, tokens):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(tokens)
+    loss.backward()
+    return loss.detach(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _assert_same(a, b, exact):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    pairs = [(loss_a, loss_b)] + list(zip(grads_a, grads_b))
+    for x, y in pairs:
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_no_graph_breaks():
+    model = _model()
+    explanation = torch._dynamo.explain(model.loss)(_tokens(2, 9, 1))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_compiled_training_step_equals_eager():
+    model = _model()
+    tokens = _tokens(3, 17, 2)
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
+    _assert_same(_loss_and_grads(compiled, model, tokens), _loss_and_grads(model.loss, model, tokens), exact=True)
+
+
+def test_dynamic_sequence_length_does_not_recompile():
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    model = _model()
+    compiled = torch.compile(model.loss, fullgraph=True, backend=counting_backend)
+    for i, length in enumerate((9, 13, 21)):
+        tokens = _tokens(2, length, 10 + i)
+        torch._dynamo.mark_dynamic(tokens, 1)
+        _assert_same(_loss_and_grads(compiled, model, tokens), _loss_and_grads(model.loss, model, tokens), exact=True)
+    assert len(compiles) == 1
+
+
+def _cakeops_ops(code: str):
+    return re.findall(r"torch\.ops\.cakeops\.(\w+)\.default", code)
+
+
+def test_op_sequence_of_the_graphs():
+    torch._dynamo.reset()
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm.code
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    model = _model()
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    torch.compile(model.loss, fullgraph=True, backend=backend)(_tokens(2, 9, 3)).backward()
+    assert_expected_inline(" ".join(_cakeops_ops(graphs["forward"])), """mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_head_fwd rmsnorm_fwd""")
+    assert_expected_inline(" ".join(_cakeops_ops(graphs["backward"])), """rmsnorm_bwd mhc_head_bwd mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish""")
+    # one dX producer per mHC layer: every X gradient comes out of mhc_backward_finish
+    assert _cakeops_ops(graphs["backward"]).count("mhc_backward_finish") == 4
+
+
+def test_plain_residual_twin_compiles_too():
+    model = _model(hyper_connections=False)
+    tokens = _tokens(2, 11, 4)
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
+    _assert_same(_loss_and_grads(compiled, model, tokens), _loss_and_grads(model.loss, model, tokens), exact=True)
+
+
+def test_export_forward():
+    model = _model().eval()
+    tokens = _tokens(2, 9, 5)
+    exported = torch.export.export(model, (tokens,))
+    text = str(exported.graph)
+    assert "cakeops.mhc_prepare" in text and "cakeops.mhc_finish" in text and "cakeops.mhc_head_fwd" in text
+    with torch.no_grad():
+        assert torch.equal(exported.module()(tokens), model(tokens))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_reduce_overhead_cuda_graphs_four_steps():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = _model(seed=6)
+    twin = _model(seed=6)
+    compiled = torch.compile(model.loss, fullgraph=True, mode="reduce-overhead")
+    opt_a = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for step in range(4):
+        tokens = _tokens(4, 33, 100 + step)
+        a = _loss_and_grads(compiled, model, tokens)
+        b = _loss_and_grads(twin.loss, twin, tokens)
+        _assert_same(a, b, exact=False)  # Inductor fuses the non-cakeops ops differently
+        opt_a.step()
+        opt_b.step()
+    from torch._dynamo.utils import counters
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor on GPU; CPU runs use aot_eager to keep CI short")
+def test_inductor_training_step_close_to_eager():
+    model = _model(seed=7)
+    tokens = _tokens(4, 33, 7)
+    compiled = torch.compile(model.loss, fullgraph=True)
+    _assert_same(_loss_and_grads(compiled, model, tokens), _loss_and_grads(model.loss, model, tokens), exact=False)
