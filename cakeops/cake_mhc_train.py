@@ -191,12 +191,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
         else:  # recomputed by the finish node's backward, else here
             stats = state.stats if state.stats is not None else state.recompute_stats(X)
             state.stats = None
-        if dU is None:
-            dU = X.new_zeros(X.shape[0], X.shape[2])
-        if dY is None:
-            dY = torch.zeros_like(X)
-        if grad_stats is None:
-            grad_stats = X.new_zeros((X.shape[0], layout.GRAD_STATS_WIDTH), dtype=torch.float32)
+        dU, dY, grad_stats = ops.zeros_for_missing(X, dU, dY, grad_stats)
         dX, dfn, dscale, dbase = ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats,
                                                           *state.hparams, deterministic=state.deterministic)
         return dX, dfn, dscale, dbase, None

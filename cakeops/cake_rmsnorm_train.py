@@ -147,7 +147,6 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
-    H = x.shape[-1]
     if residual is None:
         y, _ = torch.ops.cakeops.rmsnorm_fwd(_rows("x", x), w, eps, deterministic)
         return y.view(x.shape)

@@ -4,13 +4,12 @@ import pytest
 import torch
 import torch._dynamo
 from expecttest import assert_expected_inline
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_head, cake_mhc_train_prepare
 from cakeops.meta import mhc as fake
 from cakeops.reference import mhc as reference
 from conftest import DEVICE
+from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
 
 N, M = 4, 24
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
@@ -75,15 +74,6 @@ class MHCLayer(torch.nn.Module):
         return cake_mhc_train_head(Y)
 
 
-def _grads_after(model, X, g, dynamic_dim=None):
-    model.zero_grad(set_to_none=True)
-    X = X.detach().clone().requires_grad_()
-    if dynamic_dim is not None:
-        torch._dynamo.mark_dynamic(X, dynamic_dim)
-    model(X).backward(g)
-    return [X.grad] + [p.grad for p in model.parameters()]
-
-
 def test_fullgraph_layer_no_graph_breaks_and_eager_equal_gradients():
     torch.manual_seed(3)
     layer = MHCLayer(16).to(DEVICE)
@@ -92,24 +82,19 @@ def test_fullgraph_layer_no_graph_breaks_and_eager_equal_gradients():
     explanation = torch._dynamo.explain(layer)(X)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    for got, ref in zip(_grads_after(compiled, X, g), _grads_after(layer, X, g)):
+    for got, ref in zip(grads_after(compiled, X, g), grads_after(layer, X, g)):
         assert torch.equal(got, ref)  # the same kernels on both paths
 
 
 def test_dynamic_tokens_do_not_recompile():
     torch._dynamo.reset()
     compiles = []
-
-    def counting_backend(gm, example_inputs):
-        compiles.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
     layer = MHCLayer(8).to(DEVICE)
-    compiled = torch.compile(layer, fullgraph=True, backend=counting_backend)
+    compiled = torch.compile(layer, fullgraph=True, backend=counting_aot_eager(compiles))
     for T in (5, 11, 19):
         X = torch.randn(T, N, 8, device=DEVICE)
         g = torch.randn(T, 8, device=DEVICE)
-        for got, ref in zip(_grads_after(compiled, X, g, dynamic_dim=0), _grads_after(layer, X, g)):
+        for got, ref in zip(grads_after(compiled, X, g, dynamic_dim=0), grads_after(layer, X, g)):
             assert torch.equal(got, ref)
     assert len(compiles) == 1
 
@@ -117,24 +102,13 @@ def test_dynamic_tokens_do_not_recompile():
 def test_aot_graphs_of_a_layer():
     """The forward holds mhc_prepare and mhc_finish; the backward mhc_backward_prepare and mhc_backward_finish,
     which alone produces dX, and the dY tangent goes into it untouched (no copy of the edge)."""
-    torch._dynamo.reset()
-    graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm.code.strip()
-            return make_boxed_func(gm.forward)
-        return compiler
-
     X, fn, scale, base = _inputs(4, 8, torch.float32, True, seed=4)
 
     def layer(X, fn, scale, base):
         U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])
         return cake_mhc_train_finish(X, torch.tanh(U), handle)
 
-    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-    Y = torch.compile(layer, backend=backend, fullgraph=True)(X, fn, scale, base)
-    Y.backward(torch.randn_like(Y))
+    graphs = aot_graph_codes(layer, X, fn, scale, base)
     for code in graphs.values():
         assert "clone" not in code and "copy" not in code
     assert_expected_inline(graphs["forward"], """\

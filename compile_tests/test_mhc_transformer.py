@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch._dynamo
 from expecttest import assert_expected_inline
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 from cakeops.tiny_lm import TinyLM
 from conftest import DEVICE, ON_GPU
+from graph_tools import aot_graph_codes, counting_aot_eager
 
 VOCAB, DIM = 48, 32
 
@@ -59,13 +58,8 @@ def test_compiled_training_step_equals_eager():
 def test_dynamic_sequence_length_does_not_recompile():
     torch._dynamo.reset()
     compiles = []
-
-    def counting_backend(gm, example_inputs):
-        compiles.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
     model = _model()
-    compiled = torch.compile(model.loss, fullgraph=True, backend=counting_backend)
+    compiled = torch.compile(model.loss, fullgraph=True, backend=counting_aot_eager(compiles))
     for i, length in enumerate((9, 13, 21)):
         tokens = _tokens(2, length, 10 + i)
         torch._dynamo.mark_dynamic(tokens, 1)
@@ -78,18 +72,8 @@ def _cakeops_ops(code: str):
 
 
 def test_op_sequence_of_the_graphs():
-    torch._dynamo.reset()
-    graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm.code
-            return make_boxed_func(gm.forward)
-        return compiler
-
     model = _model()
-    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-    torch.compile(model.loss, fullgraph=True, backend=backend)(_tokens(2, 9, 3)).backward()
+    graphs = aot_graph_codes(model.loss, _tokens(2, 9, 3))
     assert_expected_inline(" ".join(_cakeops_ops(graphs["forward"])), """mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_head_fwd rmsnorm_fwd""")
     assert_expected_inline(" ".join(_cakeops_ops(graphs["backward"])), """rmsnorm_bwd mhc_head_bwd mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish mhc_backward_prepare rmsnorm_bwd mhc_backward_finish""")
     # one dX producer per mHC layer: every X gradient comes out of mhc_backward_finish

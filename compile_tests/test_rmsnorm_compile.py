@@ -3,12 +3,11 @@ import pytest
 import torch
 import torch._dynamo
 from expecttest import assert_expected_inline
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
 
 import cakeops
 from cakeops.cake_rmsnorm_train import cake_rmsnorm
 from conftest import DEVICE
+from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
@@ -56,13 +55,6 @@ class TinyBlock(torch.nn.Module):
         return y * stream.sigmoid()
 
 
-def _grads_after(model, x, g, dynamic_dim=None):
-    model.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_()
-    if dynamic_dim is not None:
-        torch._dynamo.mark_dynamic(x, dynamic_dim)
-    model(x).backward(g)
-    return [x.grad] + [p.grad for p in model.parameters()]
 
 
 def _block(hidden=32):
@@ -81,7 +73,7 @@ def test_fullgraph_no_graph_breaks_and_eager_equal_gradients():
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    for got, ref in zip(_grads_after(compiled, x, g), _grads_after(block, x, g)):
+    for got, ref in zip(grads_after(compiled, x, g), grads_after(block, x, g)):
         assert torch.equal(got, ref)  # same kernels on both paths: the same bits
 
 
@@ -91,42 +83,25 @@ def test_inductor_fullgraph_matches_eager():
     x = torch.randn(3, 24, device=DEVICE)
     g = torch.randn(3, 24, device=DEVICE)
     compiled = torch.compile(block, fullgraph=True)
-    for got, ref in zip(_grads_after(compiled, x, g), _grads_after(block, x, g)):
+    for got, ref in zip(grads_after(compiled, x, g), grads_after(block, x, g)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_dynamic_tokens_do_not_recompile():
     torch._dynamo.reset()
     compiles = []
-
-    def counting_backend(gm, example_inputs):
-        compiles.append(gm)
-        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
-
     block = _block()
-    compiled = torch.compile(block, fullgraph=True, backend=counting_backend)
+    compiled = torch.compile(block, fullgraph=True, backend=counting_aot_eager(compiles))
     for T in (7, 13, 29, 64):
         x = torch.randn(T, 32, device=DEVICE)
         g = torch.randn(T, 32, device=DEVICE)
-        for got, ref in zip(_grads_after(compiled, x, g, dynamic_dim=0), _grads_after(block, x, g)):
+        for got, ref in zip(grads_after(compiled, x, g, dynamic_dim=0), grads_after(block, x, g)):
             assert torch.equal(got, ref)
     assert len(compiles) == 1
 
 
 def _aot_graphs(fn, *args):
-    graphs = {}
-
-    def capture(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm.code.strip()
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+    graphs = aot_graph_codes(fn, *args)
     for code in graphs.values():  # no stray copies of [T, H] tensors around the kernels
         assert "clone" not in code and "copy_" not in code and ".copy." not in code
     return graphs

@@ -193,16 +193,22 @@ def _setup_prepare(ctx, inputs, output):
     ctx.hparams = (rms_eps, hc_eps, iters, deterministic)
 
 
-def _backward_prepare_node(ctx, dU, d_stats, dY, grad_stats):
-    X, fn, scale, base, stats = ctx.saved_tensors
-    rms_eps, hc_eps, iters, deterministic = ctx.hparams
-    # U used without a finish node (or a finish without U): the missing gradients are zeros.
+def zeros_for_missing(X: Tensor, dU: Optional[Tensor], dY: Optional[Tensor], grad_stats: Optional[Tensor]):
+    """The prepare node's incoming gradients with zeros where none arrived (U used without a finish node, or
+    a finish whose output or whose U got no gradient)."""
     if dU is None:
         dU = X.new_zeros(X.shape[0], X.shape[2])
     if dY is None:
         dY = torch.zeros_like(X)
     if grad_stats is None:
         grad_stats = X.new_zeros((X.shape[0], layout.GRAD_STATS_WIDTH), dtype=torch.float32)
+    return dU, dY, grad_stats
+
+
+def _backward_prepare_node(ctx, dU, d_stats, dY, grad_stats):
+    X, fn, scale, base, stats = ctx.saved_tensors
+    rms_eps, hc_eps, iters, deterministic = ctx.hparams
+    dU, dY, grad_stats = zeros_for_missing(X, dU, dY, grad_stats)
     dX, dfn, dscale, dbase = torch.ops.cakeops.mhc_backward_finish(
         X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters, deterministic)
     return dX, dfn, dscale, dbase, None, None, None, None

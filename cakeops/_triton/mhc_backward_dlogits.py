@@ -18,14 +18,9 @@ defaults on an H200) and can stay in L2: X and dU, streamed meanwhile, are loade
 import triton
 import triton.language as tl
 
-from ..meta import mhc_layout as layout
+from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _DCOMB
 from .mhc_prepare import _sigmoid
 
-# Kernels may only read module globals that are constexpr.
-_RSTD = tl.constexpr(layout.RSTD)
-_MIX = tl.constexpr(layout.MIX)
-_DPOST = tl.constexpr(layout.DPOST)
-_DCOMB = tl.constexpr(layout.DCOMB)
 
 M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row
 

@@ -24,13 +24,11 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
+from .mhc_columns import PRE as _PRE, COMB as _COMB
 from .launch import persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel
 from .rmsnorm import _sum_partials_kernel
 
-# Kernels may only read module globals that are constexpr.
-_PRE = tl.constexpr(layout.PRE)
-_COMB = tl.constexpr(layout.COMB)
 
 
 @triton.jit

@@ -12,14 +12,8 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
+from .mhc_columns import POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED, GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH
 
-# Kernels may only read module globals that are constexpr.
-_POST = tl.constexpr(layout.POST)
-_STATS_WIDTH = tl.constexpr(layout.STATS_WIDTH)
-_DPOST = tl.constexpr(layout.DPOST)
-_DCOMB = tl.constexpr(layout.DCOMB)
-_GRAD_STATS_USED = tl.constexpr(layout.GRAD_STATS_USED)
-_GRAD_STATS_WIDTH = tl.constexpr(layout.GRAD_STATS_WIDTH)
 
 
 @triton.jit

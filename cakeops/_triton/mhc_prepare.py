@@ -13,17 +13,10 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
+from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED, STATS_WIDTH as _STATS_WIDTH
 from .._backend import interpreting
 from .launch import persistent_programs
 
-# Kernels may only read module globals that are constexpr.
-_PRE = tl.constexpr(layout.PRE)
-_POST = tl.constexpr(layout.POST)
-_COMB = tl.constexpr(layout.COMB)
-_RSTD = tl.constexpr(layout.RSTD)
-_MIX = tl.constexpr(layout.MIX)
-_STATS_USED = tl.constexpr(layout.STATS_USED)
-_STATS_WIDTH = tl.constexpr(layout.STATS_WIDTH)
 
 
 @triton.jit

@@ -11,12 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..meta import mhc_layout as layout
+from .mhc_columns import POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
 
-# Kernels may only read module globals that are constexpr.
-_POST = tl.constexpr(layout.POST)
-_COMB = tl.constexpr(layout.COMB)
-_STATS_WIDTH = tl.constexpr(layout.STATS_WIDTH)
 
 
 @triton.jit
