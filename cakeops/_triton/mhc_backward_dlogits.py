@@ -101,20 +101,35 @@ def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
 @triton.jit
 def _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut,
                        N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c], FP32, reduced once after the chunk loop."""
+    """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c], FP32, reduced once after the chunk loop.
+
+    2-D [BLOCK_T, BLOCK_C] tiles, one accumulator per stream (written out for n = 4): a [BLOCK_T, n, BLOCK_C]
+    tile compiled for sm_90 to scalar loads and barriers; these tiles load 16 bytes per thread per access."""
+    tl.static_assert(N == 4)
     offs_c = tl.arange(0, BLOCK_C)
-    j = tl.arange(0, N)
-    x_rows = X + t64[:, None, None] * stride_xt + j[None, :, None] * stride_xi
-    u_rows = DU + t64[:, None] * stride_ut
-    acc = tl.zeros([BLOCK_T, N, BLOCK_C], dtype=tl.float32)
+    x_row = X + t64[:, None] * stride_xt
+    u_row = DU + t64[:, None] * stride_ut
+    acc0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        c = c0 + offs_c
-        mask = t_ok[:, None] & (c < C)[None, :]
-        du = tl.load(u_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x = tl.load(x_rows + c[None, None, :], mask=mask[:, None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        acc += x * du[:, None, :]
-    return tl.sum(acc, axis=2)
+        c = (c0 + offs_c)[None, :]
+        mask = t_ok[:, None] & (c < C)
+        du = tl.load(u_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc0 += du * _stream(x_row, 0, stride_xi, c, mask)
+        acc1 += du * _stream(x_row, 1, stride_xi, c, mask)
+        acc2 += du * _stream(x_row, 2, stride_xi, c, mask)
+        acc3 += du * _stream(x_row, 3, stride_xi, c, mask)
+    j = tl.arange(0, N)[None, :]
+    return (tl.where(j == 0, tl.sum(acc0, axis=1)[:, None], 0.0) + tl.where(j == 1, tl.sum(acc1, axis=1)[:, None], 0.0)
+            + tl.where(j == 2, tl.sum(acc2, axis=1)[:, None], 0.0) + tl.where(j == 3, tl.sum(acc3, axis=1)[:, None], 0.0))
+
+
+@triton.jit
+def _stream(x_row, i: tl.constexpr, stride_xi, c, mask):
+    """Stream i of X on a [BLOCK_T, BLOCK_C] tile, FP32 (streamed once: evict first, the scratch stays in L2)."""
+    return tl.load(x_row + i * stride_xi + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
