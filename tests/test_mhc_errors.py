@@ -1,0 +1,118 @@
+"""mHC argument checking: every bad input raises ValueError/TypeError (NotImplementedError for unsupported
+ranges) naming the argument; T == 0 and NaN inputs go through without crashing."""
+import pytest
+import torch
+
+from cakeops.cake_mhc_train import (
+    cake_mhc_train_backward_finish, cake_mhc_train_backward_prepare, cake_mhc_train_forward_finish,
+    cake_mhc_train_forward_prepare, cake_mhc_train_forward_stats, cake_mhc_train_head_backward,
+    cake_mhc_train_head_forward, cake_mhc_train_prepare,
+)
+from conftest import DEVICE
+
+T, N, C, M = 5, 4, 8, 24
+
+
+def _good():
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(T, N, C, generator=g).to(DEVICE, torch.bfloat16)
+    fn = (torch.randn(M, N * C, generator=g) * 0.1).to(DEVICE)
+    scale = torch.ones(3, device=DEVICE)
+    base = torch.zeros(M, device=DEVICE)
+    return X, fn, scale, base
+
+
+def _prepare(X=None, fn=None, scale=None, base=None, **kw):
+    gX, gfn, gscale, gbase = _good()
+    return cake_mhc_train_forward_prepare(gX if X is None else X, gfn if fn is None else fn,
+                                          gscale if scale is None else scale, gbase if base is None else base, **kw)
+
+
+BAD_PREPARE = [
+    ("X", TypeError, lambda X, fn, s, b: _prepare(X=X.tolist())),
+    ("X", ValueError, lambda X, fn, s, b: _prepare(X=X.to(torch.int32))),
+    ("X", ValueError, lambda X, fn, s, b: _prepare(X=X.reshape(T, N * C))),
+    ("X", ValueError, lambda X, fn, s, b: _prepare(X=X[:, :3])),  # n = 3 streams
+    ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn[:, :-1])),
+    ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn.to(torch.bfloat16))),
+    ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn.to("meta"))),
+    ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=torch.randn(N * C, M, device=DEVICE).t())),
+    ("scale", ValueError, lambda X, fn, s, b: _prepare(scale=s[:2])),
+    ("base", ValueError, lambda X, fn, s, b: _prepare(base=b.double())),
+    ("rms_eps", ValueError, lambda X, fn, s, b: _prepare(rms_eps=0.0)),
+    ("hc_eps", ValueError, lambda X, fn, s, b: _prepare(hc_eps=float("inf"))),
+    ("hc_eps", TypeError, lambda X, fn, s, b: _prepare(hc_eps=None)),
+    ("sinkhorn_iters", ValueError, lambda X, fn, s, b: _prepare(sinkhorn_iters=0)),
+    ("sinkhorn_iters", TypeError, lambda X, fn, s, b: _prepare(sinkhorn_iters=2.0)),
+    ("sinkhorn_iters", NotImplementedError, lambda X, fn, s, b: _prepare(sinkhorn_iters=65)),
+    ("out", ValueError, lambda X, fn, s, b: _prepare(out=torch.empty(T, C + 1, device=DEVICE, dtype=X.dtype))),
+    ("stats_out", ValueError, lambda X, fn, s, b: _prepare(stats_out=torch.empty(T, 64, device=DEVICE,
+                                                                                dtype=torch.float64))),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", BAD_PREPARE, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_PREPARE)])
+def test_bad_prepare_arguments_name_the_argument(name, exc, call):
+    with pytest.raises(exc, match=rf"^{name}:"):
+        call(*_good())
+
+
+def _records():
+    X, fn, scale, base = _good()
+    U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    dY = torch.randn(T, N, C, device=DEVICE, dtype=X.dtype)
+    B = torch.randn(T, C, device=DEVICE, dtype=X.dtype)
+    dB, gs = cake_mhc_train_backward_prepare(dY, B, X, stats)
+    return X, fn, scale, base, stats, dY, B, gs
+
+
+BAD_OTHERS = [
+    ("B", ValueError, lambda r: cake_mhc_train_forward_finish(r[0], r[6][:3], r[4])),  # T mismatch
+    ("stats", ValueError, lambda r: cake_mhc_train_forward_finish(r[0], r[6], r[4][:, :32])),
+    ("stats", ValueError, lambda r: cake_mhc_train_forward_finish(r[0], r[6], r[4][1:])),
+    ("dY", ValueError, lambda r: cake_mhc_train_backward_prepare(r[5].float(), r[6], r[0], r[4])),
+    ("dY", ValueError, lambda r: cake_mhc_train_backward_prepare(r[5][:, :, 1:], r[6], r[0], r[4])),
+    ("grad_stats", ValueError, lambda r: cake_mhc_train_backward_finish(
+        r[0], r[5], r[6], None, r[1], r[2], r[3], r[4], r[7][:, :20])),
+    ("dU", ValueError, lambda r: cake_mhc_train_backward_finish(
+        r[0], r[5], r[6][:4], None, r[1], r[2], r[3], r[4], r[7])),
+    ("deterministic", TypeError, lambda r: cake_mhc_train_backward_finish(
+        r[0], r[5], r[6], None, r[1], r[2], r[3], r[4], r[7], deterministic=1)),
+    ("dfn", ValueError, lambda r: cake_mhc_train_backward_finish(
+        r[0], r[5], r[6], None, r[1], r[2], r[3], r[4], r[7], accumulate=True)),
+    ("dY", ValueError, lambda r: cake_mhc_train_head_backward(r[6].reshape(1, T, C))),
+    ("dX", ValueError, lambda r: cake_mhc_train_head_backward(r[6], accumulate=True)),
+    ("X", ValueError, lambda r: cake_mhc_train_head_forward(r[0][:, :2])),
+    ("save_stats", TypeError, lambda r: cake_mhc_train_prepare(r[0], r[1], r[2], r[3], save_stats="no")),
+]
+
+
+@pytest.mark.parametrize("name,exc,call", BAD_OTHERS, ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_OTHERS)])
+def test_bad_arguments_of_the_other_entries_name_the_argument(name, exc, call):
+    with pytest.raises(exc, match=rf"^{name}:"):
+        call(_records())
+
+
+def test_empty_tokens_through_the_functions(backend):
+    X, fn, scale, base = (t[:0] if i == 0 else t for i, t in enumerate(_good()))
+    U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    assert U.shape == (0, C) and stats.shape == (0, 64)
+    assert cake_mhc_train_forward_stats(X, fn, scale, base).shape == (0, 64)
+    B = torch.empty(0, C, device=DEVICE, dtype=X.dtype)
+    assert cake_mhc_train_forward_finish(X, B, stats).shape == (0, N, C)
+    assert cake_mhc_train_head_forward(X).shape == (0, C)
+    dB, gs = cake_mhc_train_backward_prepare(X, B, X, stats)
+    dX, dfn, dscale, dbase = cake_mhc_train_backward_finish(X, X, B, B, fn, scale, base, stats, gs)
+    assert dX.shape == X.shape and torch.equal(dfn, torch.zeros_like(fn)) and torch.equal(dbase, torch.zeros_like(base))
+    assert torch.equal(dscale, torch.zeros_like(scale))
+
+
+def test_nan_in_one_token_stays_in_that_token(backend):
+    X, fn, scale, base = _good()
+    X = X.float()
+    X[2, 1, 3] = float("nan")
+    U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    assert torch.isnan(U[2]).all() and torch.isfinite(U[[0, 1, 3, 4]]).all()
+    assert torch.isnan(stats[2, :25]).any() and torch.isfinite(stats[[0, 1, 3, 4]]).all()
+    Y = cake_mhc_train_forward_finish(X, torch.ones(T, C, device=DEVICE), stats)
+    assert torch.isnan(Y[2]).all() and torch.isfinite(Y[[0, 1, 3, 4]]).all()
