@@ -234,3 +234,28 @@ def test_head_autograd(backend, dtype):
     Y.backward(gY)
     assert rel_err(X.grad, (gY.double() / N)[:, None, :].expand(9, N, 40)) <= 1e-6
     assert isinstance(Y.grad_fn, CakeMHCTrainHeadFunction._backward_cls)
+
+
+@pytest.mark.parametrize("save_stats", [True, False])
+def test_layer_keeps_no_activation_beyond_x_and_stats(backend, save_stats):
+    """Identity branch: everything autograd keeps for the backward is X, B (= U, the branch's output that
+    any residual block keeps) and, with save_stats, the [T, 64] FP32 stats -- plus the parameters."""
+    T, C = 12, 16
+    X = torch.randn(T, N, C, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    fn, scale, base = _params(C, 13)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, save_stats=save_stats)
+        Y = cake_mhc_train_finish(X, U, handle)
+    storages = {t.untyped_storage().data_ptr(): t for t in kept}
+    params = {p.untyped_storage().data_ptr() for p in (fn, scale, base)}
+    activations = {tuple(t.shape) for ptr, t in storages.items() if ptr not in params}
+    expected = {(T, N, C), (T, C)} | ({(T, 64)} if save_stats else set())
+    assert activations == expected
+    assert X.untyped_storage().data_ptr() in storages and U.untyped_storage().data_ptr() in storages
+    Y.backward(torch.randn_like(Y))

@@ -129,7 +129,10 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
         outs = reference.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters)
         dX.copy_(outs[0])
         for buf, value in zip((dfn, dscale, dbase), outs[1:]):
-            buf.add_(value) if accumulate else buf.copy_(value)
+            if accumulate:
+                buf.add_(value)
+            else:
+                buf.copy_(value)
     return dX, dfn, dscale, dbase
 
 
