@@ -74,6 +74,12 @@ def _bench(selected: List[core.Case], out: Path, with_peers: bool, device=torch.
     print(report.text(table))
     written = [report.write_markdown(out / "bench.md", table, header),
                report.write_json(out / "bench.json", dict(env, copy_gbps=ceiling), rows)]
+    notes = [f"- {row['op']} [{row['shape']}]: {name}: {value}"
+             for row in rows for name, value in row.get("notes", {}).items()]
+    if notes:
+        print("\n".join(notes))
+        with open(out / "bench.md", "a") as f:
+            f.write("\n## Notes\n\n" + "\n".join(notes) + "\n")
     if plot.available():
         written.append(plot.bandwidth_plot(out / "bench.png", rows, ceiling))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -31,6 +31,7 @@ class Case:
     tiny: Mapping[str, int] = field(default_factory=lambda: {"T": 64, "H": 384})  # the CPU check's size
     dtype: torch.dtype = torch.bfloat16
     quick: bool = True  # part of `bench --quick`
+    notes: Optional[Callable[[State], Mapping[str, str]]] = None  # extra measurements, printed under the table
 
     @property
     def shape_label(self) -> str:
@@ -116,6 +117,7 @@ def measure(case: Case, device, ceiling_gbps: float, with_peers: bool = True,
         "family": case.family, "op": case.name, "shape": case.shape_label, "dtype": _dtype_name(case.dtype),
         "bytes": nbytes, "ms": ms, "gbps": gbps(nbytes, ms), "pct_copy": 100.0 * gbps(nbytes, ms) / ceiling_gbps,
         "peers_ms": peers, "rel_err": errors, "tol": dict(case.tol), "ok": within(errors, case.tol),
+        "notes": dict(case.notes(state)) if case.notes is not None else {},
     }
 
 

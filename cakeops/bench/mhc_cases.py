@@ -17,7 +17,8 @@ from .core import Case, generator, register
 
 N, M = layout.N_STREAMS, layout.N_LOGITS
 HP = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
-SHAPES = ({"T": 16384, "C": 4096}, {"T": 16384, "C": 7168}, {"T": 8192, "C": 4096})  # first: `bench --quick`
+SHAPES = ({"T": 16384, "C": 4096}, {"T": 16384, "C": 7168}, {"T": 8192, "C": 4096},
+          {"T": 8192, "C": 7168})  # the first one is `bench --quick`
 TINY = {"T": 32, "C": 64}
 OUT_TOL, STATS_TOL, GRAD_TOL = 4e-3, 1e-3, 1e-2  # SPEC §5: bf16 outputs, FP32 records (bf16 projection), grads
 
@@ -185,6 +186,25 @@ def _layer_bytes(s):
     return (_prepare_bytes(s) + _finish_bytes(s) + _bwd_prepare_bytes(s) + _bwd_finish_bytes(s))
 
 
+def _layer_memory(s):
+    """What one layer keeps between forward and backward beyond X, and its peak extra memory in fwd+bwd."""
+    if s.X.device.type != "cuda":
+        return {}
+    X, fn, scale, base = _layer_leaves(s)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, **HP)
+    Y = mhc.cake_mhc_train_finish(X, U, handle)
+    kept = torch.cuda.memory_allocated() - before - Y.nbytes
+    torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
+    peak = torch.cuda.max_memory_allocated() - before
+    stats_bytes = X.shape[0] * layout.STATS_WIDTH * 4
+    return {"kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {U.nbytes / 2**20:.1f} MiB, "
+                                          f"stats {stats_bytes / 2**20:.1f} MiB; X is {X.nbytes / 2**20:.1f} MiB)",
+            "peak extra during fwd+bwd": f"{peak / 2**20:.1f} MiB"}
+
+
 def _layer_check(s):
     return _errors(("dX", "dfn", "dbase"), [g for i, g in enumerate(_layer(s)) if i != 2],
                    [g for i, g in enumerate(_layer_math(*(t.double() for t in (s.X, s.fn, s.scale, s.base, s.dY))))
@@ -214,7 +234,7 @@ def _cases():
     for i, size in enumerate(SHAPES[:2]):
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
                    nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
-                   peers=layer_peers, tiny=TINY, quick=i == 0)
+                   peers=layer_peers, tiny=TINY, quick=i == 0, notes=_layer_memory)
 
 
 register(*_cases())
