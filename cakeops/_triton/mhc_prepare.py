@@ -25,13 +25,14 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _project(X, FN, t_off, t_ok, C, stride_xi, stride_fn,
+def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
              N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
              BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
              PRECISION: tl.constexpr):
-    """Pass 1 over a token block: (fn @ x [BLOCK_T, M_PAD], sum of x^2 [BLOCK_T]), FP32.
+    """Pass 1 over a token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD] and the sum
+    of x^2 [BLOCK_T] over those columns), FP32.
 
-    Walks C in BLOCK_C chunks, the n streams of a chunk together (no div/mod to unflatten K), so that
+    Walks the columns in BLOCK_C chunks, the n streams of a chunk together (no div/mod to unflatten K), so that
     the last chunks read are the first that pass 2 re-reads. fn rows past M are masked to zero.
     Tensor cores for the projection (SPEC §5 allows it): bf16 x is exact in a bf16 MMA and fn is split
     into bf16 hi + lo (~16 mantissa bits; on an H200 both faster and ~10x more accurate than TF32);
@@ -42,9 +43,9 @@ def _project(X, FN, t_off, t_ok, C, stride_xi, stride_fn,
     offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
+    for c0 in range(c_lo, c_hi, BLOCK_C):
         c = c0 + offs_c
-        c_ok = c < C
+        c_ok = c < c_hi
         for i in tl.static_range(N):
             x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :],
                         mask=t_ok[:, None] & c_ok[None, :], other=0.0)
@@ -88,10 +89,22 @@ def _prepare_block(
     M = 2 * N + N * N
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
+    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, 0, C, stride_xi, stride_fn, N, M, M_PAD,
+                           BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
+    _finalize_block(X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut, rms_eps,
+                    hc_eps, iters, N, M_PAD, WRITE_U, BLOCK_T, BLOCK_C)
+
+
+@triton.jit
+def _finalize_block(
+    X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut, rms_eps, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """From the whole projection and sum of squares of a token block: rstd, mix, the gates and the Sinkhorn
+    (the stats rows) and, when WRITE_U, pass 2: the collapse U = sum_i pre_i * X_i."""
+    M = 2 * N + N * N
     t64 = t.to(tl.int64)
     x_rows = t64 * stride_xt
-    acc, sum_sq = _project(X, FN, x_rows, t_ok, C, stride_xi, stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C,
-                             SPLIT_BF16, INTERPRET, PRECISION)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, (N * C) * 1.0) + rms_eps))
     mix = acc * rstd[:, None]
 
@@ -151,6 +164,50 @@ def _prepare_kernel(
                        PRECISION)
 
 
+@triton.jit
+def _prepare_split_kernel(
+    X, FN, SCALE, BASE, STATS, U, PART, SQ, COUNT,
+    T, C, cols_per_split, stride_xt, stride_xi, stride_fn, stride_ut, rms_eps, hc_eps, iters,
+    SPLITS: tl.constexpr, N: tl.constexpr, M_PAD: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Split-K prepare (experimental, not yet timed on a GPU): SPLITS programs share a token block, each
+    projecting its own columns of every stream; the last to finish sums the partials in split order (so the
+    result does not depend on who is last: deterministic) and finalizes the block, re-reading X for the
+    collapse while the others' reads of it are still in L2. Nobody waits for anybody: no deadlock however
+    the programs are scheduled (the interpreter runs them one after another).
+
+    Why: one program per block leaves 132 blocks in flight between pass 1 and pass 2 (67 MB at 16 tokens,
+    C = 4096: more than the L2), so pass 2 reads HBM again; split SPLITS ways, a block's pass 1 ends SPLITS
+    times sooner and SPLITS times fewer blocks are in flight."""
+    M = 2 * N + N * N
+    pid = tl.program_id(0)
+    block = pid // SPLITS
+    split = pid % SPLITS
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    c_lo = split * cols_per_split
+    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols_per_split),
+                           stride_xi, stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
+    slot = (block * SPLITS + split).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_m = tl.arange(0, M_PAD)
+    tl.store(PART + slot[:, None] * M_PAD + offs_m[None, :], acc)
+    tl.store(SQ + slot, sum_sq)
+    tl.debug_barrier()  # every thread's partial is written before the release below publishes them
+    arrived = tl.atomic_add(COUNT + block, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        tl.store(COUNT + block, 0)  # ready for the next launch
+        first = (block * SPLITS).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k in range(SPLITS):  # split order, whoever arrived last
+            rows = first + k * BLOCK_T
+            acc += tl.load(PART + rows[:, None] * M_PAD + offs_m[None, :], cache_modifier=".cg")
+            sum_sq += tl.load(SQ + rows, cache_modifier=".cg")
+        _finalize_block(X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut,
+                        rms_eps, hc_eps, iters, N, M_PAD, WRITE_U, BLOCK_T, BLOCK_C)
+
+
 def _prepare_config(X: torch.Tensor, T: int, C: int):
     """Default (BLOCK_T, BLOCK_C, num_warps, num_stages) of prepare.
 
@@ -172,12 +229,14 @@ def _prepare_config(X: torch.Tensor, T: int, C: int):
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, per_sm: Optional[int] = None) -> None:
+            num_stages: Optional[int] = None, per_sm: Optional[int] = None, split_k: Optional[int] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats: the same kernel with the collapse pass compiled out. Tile parameters left
     None take the defaults of ``_prepare_config``. ``per_sm``: a persistent grid of that many programs per
-    multiprocessor instead of one program per token block.
+    multiprocessor instead of one program per token block. ``split_k``: the experimental split-K kernel
+    (``_prepare_split_kernel``) with that many programs per token block; its stats differ from the default
+    kernel's by rounding (another summation order) but are bitwise the same between prepare and stats.
     """
     T, n, C = X.shape
     if T == 0:
@@ -193,6 +252,23 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     extra = {} if num_stages is None else {"num_stages": num_stages}
     u = U if U is not None else stats  # a placeholder pointer: never touched without WRITE_U
     blocks = triton.cdiv(T, block_t)
+    if split_k is not None:
+        cols = triton.cdiv(triton.cdiv(C, split_k), block_c) * block_c  # whole chunks per split
+        splits = triton.cdiv(C, cols)
+        part = torch.empty(blocks * splits * block_t * max(16, triton.next_power_of_2(M)), device=X.device,
+                           dtype=torch.float32)
+        sq = torch.empty(blocks * splits * block_t, device=X.device, dtype=torch.float32)
+        count = torch.zeros(blocks, device=X.device, dtype=torch.int32)
+        _prepare_split_kernel[(blocks * splits,)](
+            X, fn, scale, base, stats, u, part, sq, count,
+            T, C, cols, X.stride(0), X.stride(1), fn.stride(0), u.stride(0),
+            float(rms_eps), float(hc_eps), int(sinkhorn_iters),
+            SPLITS=splits, N=n, M_PAD=max(16, triton.next_power_of_2(M)), WRITE_U=U is not None,
+            BLOCK_T=block_t, BLOCK_C=block_c,
+            SPLIT_BF16=X.dtype == torch.bfloat16, INTERPRET=interpreting(),
+            PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra,
+        )
+        return
     programs = blocks if per_sm is None else persistent_programs(X.device, blocks, per_sm)
     _prepare_kernel[(programs,)](
         X, fn, scale, base, stats, u,
