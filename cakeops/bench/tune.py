@@ -1,0 +1,139 @@
+"""``python -m cakeops.bench.tune [--ops prepare,backward_prepare,backward_finish] [--out DIR]``: sweep the launch
+shapes of the mHC kernels on a GPU, check every variant against the default's outputs, and print the fastest.
+
+One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
+defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096, bf16, sinkhorn_iters=20.
+"""
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..testing import rel_err
+from .core import gbps, median_ms
+
+T, C = 16384, 4096
+HP = (1e-5, 1e-6, 20)
+
+
+def _inputs(device):
+    g = torch.Generator(device=device).manual_seed(0)
+    X = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * C, device=device, generator=g) / (4 * C) ** 0.5
+    scale = torch.tensor([1.0, 1.0, 3.0], device=device)
+    base = torch.randn(24, device=device, generator=g)
+    dY = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
+    B = torch.randn(T, C, device=device, generator=g).bfloat16()
+    dU = torch.randn(T, C, device=device, generator=g).bfloat16()
+    return X, fn, scale, base, dY, B, dU
+
+
+def _prepare_variants():
+    yield {}, "default"
+    for split_k, block_t, warps in itertools.product((4, 8, 16), (16, 32, 64), (4, 8)):
+        yield dict(split_k=split_k, block_t=block_t, num_warps=warps, num_stages=3), None
+
+
+def _backward_prepare_variants():
+    yield {}, "default"
+    for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
+        if block_c >= 256 * warps:
+            yield dict(block_c=block_c, num_warps=warps), None
+
+
+def _backward_finish_variants():
+    from .._triton.mhc_backward_finish import FinishConfig
+    yield {}, "default"
+    for block_t, block_c, warps, per_sm, a_t in itertools.product((16, 32), (32, 64), (4, 8), (2, 3, 4), (8, 16)):
+        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm,
+                                       dlogits_block_t=a_t)), None
+
+
+def _label(kw):
+    if "config" in kw:
+        cfg = kw["config"]
+        return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                        if getattr(cfg, f.name) != f.default) or "(the default config)"
+    return " ".join(f"{k}={v}" for k, v in kw.items())
+
+
+def sweep(op, device, inputs):
+    from .._triton import mhc_backward, mhc_prepare
+
+    X, fn, scale, base, dY, B, dU = inputs
+    stats = torch.empty(T, 64, device=device)
+    U = torch.empty(T, C, device=device, dtype=X.dtype)
+    mhc_prepare.prepare(X, fn, scale, base, *HP, stats, U)
+    gs = torch.empty(T, 32, device=device)
+    dB = torch.empty_like(B)
+    mhc_backward.backward_prepare(dY, B, X, stats, dB, gs)
+    if op == "prepare":
+        variants, nbytes = _prepare_variants(), X.nbytes + fn.nbytes + U.nbytes + stats.nbytes
+
+        def run(kw):
+            u, st = torch.empty_like(U), torch.empty_like(stats)
+            mhc_prepare.prepare(X, fn, scale, base, *HP, st, u, **kw)
+            return lambda: mhc_prepare.prepare(X, fn, scale, base, *HP, st, u, **kw), (u, st)
+    elif op == "backward_prepare":
+        variants, nbytes = _backward_prepare_variants(), dY.nbytes + 2 * B.nbytes + X.nbytes + stats.nbytes + gs.nbytes
+
+        def run(kw):
+            db, g = torch.empty_like(dB), torch.empty_like(gs)
+            mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw)
+            return lambda: mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw), (db, g)
+    else:
+        variants = _backward_finish_variants()
+        nbytes = 3 * X.nbytes + dU.nbytes + 2 * fn.nbytes + stats.nbytes + gs.nbytes
+
+        def run(kw):
+            outs = (torch.empty_like(X), torch.empty_like(fn), torch.empty(3, device=device),
+                    torch.empty(24, device=device))
+            call = lambda: mhc_backward.backward_finish(X, dY, dU, fn, scale, base, stats, gs, *HP, *outs, **kw)  # noqa: E731
+            call()
+            return call, outs
+    rows, reference = [], None
+    for kw, name in variants:
+        try:
+            call, outs = run(kw)
+            if reference is None:
+                reference = [t.clone() for t in outs]
+            err = max(rel_err(o, r) for o, r in zip(outs, reference))
+            ms = median_ms(call)
+            rows.append({"op": op, "variant": name or _label(kw), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err})
+        except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported, not fatal
+            rows.append({"op": op, "variant": name or _label(kw), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+        r = rows[-1]
+        print(f"{op:17s} {r['variant']:70s} " + (f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}"
+                                                 if "ms" in r else r["error"]), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cakeops.bench.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="prepare,backward_prepare,backward_finish")
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune needs a CUDA device: it times launch shapes (nothing to learn from the CPU)")
+        return 0
+    device = torch.device("cuda")
+    inputs = _inputs(device)
+    rows = []
+    for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
+        rows += sweep(op, device, inputs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tune.json").write_text(json.dumps(rows, indent=1))
+    print("\nfastest per op (max rel diff vs the default <= 1e-2):")
+    for op in dict.fromkeys(r["op"] for r in rows):
+        ok = [r for r in rows if r["op"] == op and "ms" in r and r["max_rel_diff"] <= 1e-2]
+        for r in sorted(ok, key=lambda r: r["ms"])[:3]:
+            print(f"  {op:17s} {r['ms']:.3f} ms {r['gbps']:6.0f} GB/s  {r['variant']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
