@@ -284,7 +284,9 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
     handle.used = True
     if torch.compiler.is_compiling():
         return torch.ops.cakeops.mhc_finish(_stream_rows(X), _stream_rows(B), handle.stats, *handle.edges)
-    return CakeMHCTrainFinishFunction.apply(X, B, handle.state, *handle.edges)
+    # X enters detached: the finish node has no edge to X at all (its X gradient travels as dY through the
+    # edges), so no engine -- compiled autograd included -- ever sums a None into X's gradient.
+    return CakeMHCTrainFinishFunction.apply(X.detach(), B, handle.state, *handle.edges)
 
 
 def cake_mhc_train_head(X: Tensor) -> Tensor:

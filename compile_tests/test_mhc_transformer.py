@@ -125,3 +125,30 @@ def test_inductor_training_step_close_to_eager():
     tokens = _tokens(4, 33 if ON_GPU else 9, 7)
     compiled = torch.compile(model.loss, fullgraph=True)
     _assert_same(_loss_and_grads(compiled, model, tokens), _loss_and_grads(model.loss, model, tokens), exact=False)
+
+
+@pytest.mark.parametrize("forward", ["compiled", "eager"])
+def test_compiled_autograd_gives_eager_gradients(forward):
+    """The backward traced by compiled autograd: after a compiled forward it is one graph of the cakeops
+    backward ops; after an eager forward (the autograd.Function path) it still runs and gives the same grads."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    model = _model(seed=8)
+    tokens = _tokens(2, 9, 8)
+    reference = _loss_and_grads(model.loss, model, tokens)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    loss_fn = torch.compile(model.loss, fullgraph=True, backend="aot_eager") if forward == "compiled" else model.loss
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(tokens)
+    with compiled_autograd._enable(torch.compile(backend=backend)):
+        loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+    if forward == "compiled":
+        assert len(graphs) == 1 and _cakeops_ops(graphs[0]).count("mhc_backward_finish") == 4
