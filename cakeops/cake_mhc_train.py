@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _mhc_args as args
-from ._checks import out_tensor
+from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
 from ._ops.strides import unit_last as _stream_rows
 from .meta import mhc as fake
@@ -88,7 +88,6 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
 
 def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """``dX[t, i, c] = round(dY[t, c] / n)``; with ``accumulate=True`` added into the given dX."""
-    from ._checks import FLOAT_DTYPES, tensor
     tensor("dY", dY, dtypes=FLOAT_DTYPES, ndim=2)
     args.flag("accumulate", accumulate)
     T, C = dY.shape
@@ -114,7 +113,6 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
 
 
 def _check_branch_output(name: str, B, X: Tensor) -> None:
-    from ._checks import FLOAT_DTYPES
     args.like(name, B, X, (X.shape[0], X.shape[2]), dtypes=FLOAT_DTYPES)
 
 
