@@ -30,7 +30,6 @@ from .mhc_backward_dlogits import M_PAD, _dlogits_kernel
 from .rmsnorm import _sum_partials_kernel
 
 
-
 @triton.jit
 def _dx_dfn_kernel(
     X, DY, DU, FN, STATS, DZ, DX, DFN,

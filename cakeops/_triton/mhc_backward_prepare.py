@@ -15,7 +15,6 @@ from ..meta import mhc_layout as layout
 from .mhc_columns import POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED, GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH
 
 
-
 @triton.jit
 def _backward_prepare_kernel(
     DY, B, X, STATS, DB, GS, C,

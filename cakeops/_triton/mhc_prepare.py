@@ -18,7 +18,6 @@ from .._backend import interpreting
 from .launch import persistent_programs
 
 
-
 @triton.jit
 def _sigmoid(z):
     return tl.div_rn(1.0, 1.0 + tl.exp(-z))

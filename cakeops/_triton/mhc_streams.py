@@ -14,7 +14,6 @@ import triton.language as tl
 from .mhc_columns import POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
 
 
-
 @triton.jit
 def _finish_kernel(
     X, B, STATS, Y, C, stride_xt, stride_xi, stride_bt, stride_yt, stride_yi,
