@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-def _rows(name: str, t: Tensor) -> Tensor:
+def _rows(t: Tensor) -> Tensor:
     """[..., H] -> [T, H] with unit column stride, a view whenever the layout allows."""
     return unit_last(t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t)
 
@@ -70,7 +70,7 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
     residual_out = _checks.out_tensor("residual_out", residual_out, shape=x.shape, dtype=x.dtype, device=x.device)
     H = x.shape[-1]
     outs = ops.forward_impl(
-        _rows("x", x), w, eps, None if residual is None else _rows("residual", residual),
+        _rows(x), w, eps, None if residual is None else _rows(residual),
         None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
         None if residual_out is None else residual_out.view(-1, H),
     )
@@ -105,8 +105,8 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     dw = _checks.out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
     H = x.shape[-1]
     ddx, ddw = ops.backward_impl(
-        _rows("g", g), _rows("x", x), w, rstd.reshape(-1).contiguous(),
-        None if g_residual is None else _rows("g_residual", g_residual), deterministic, workspace,
+        _rows(g), _rows(x), w, rstd.reshape(-1).contiguous(),
+        None if g_residual is None else _rows(g_residual), deterministic, workspace,
         None if dx is None else dx.view(-1, H), dw,
     )
     return (dx if dx is not None else ddx.view(x.shape)), ddw
@@ -132,9 +132,10 @@ class CakeRMSNormFunction(torch.autograd.Function):
         h, w, rstd = ctx.saved_tensors
         if grad_y is None:
             grad_y = torch.zeros_like(h)
-        dx, dw = cake_rmsnorm_train_backward(grad_y, h, w, rstd, deterministic=ctx.deterministic,
-                                             g_residual=grad_h)
-        dw = dw.to(w.dtype)
+        # The inputs were checked by the forward: straight to the kernels.
+        dx, dw = ops.backward_impl(_rows(grad_y), _rows(h), w, rstd.reshape(-1),
+                                   None if grad_h is None else _rows(grad_h), ctx.deterministic)
+        dx, dw = dx.view(h.shape), dw.to(w.dtype)
         return dx, dw, None, (dx if ctx.has_residual else None), None
 
 
@@ -148,10 +149,10 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
     if residual is None:
-        y, _ = torch.ops.cakeops.rmsnorm_fwd(_rows("x", x), w, eps, deterministic)
+        y, _ = torch.ops.cakeops.rmsnorm_fwd(_rows(x), w, eps, deterministic)
         return y.view(x.shape)
     _check_like("residual", residual, x)
-    y, _, h_new = torch.ops.cakeops.add_rmsnorm_fwd(_rows("x", x), _rows("residual", residual), w, eps,
+    y, _, h_new = torch.ops.cakeops.add_rmsnorm_fwd(_rows(x), _rows(residual), w, eps,
                                                     deterministic)
     return y.view(x.shape), h_new.view(x.shape)
 
@@ -175,7 +176,7 @@ def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Uni
     this dtype; a smaller workspace given to the backward is replaced by a fresh one."""
     from ._triton.rmsnorm import workspace_rows
 
-    return workspace_rows(torch.device(device), num_tokens, hidden, torch.empty((), dtype=dtype).element_size()) * hidden
+    return workspace_rows(torch.device(device), num_tokens, hidden, dtype.itemsize) * hidden
 
 
 def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int, device: Union[str, torch.device],
