@@ -122,8 +122,10 @@ def _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut,
         acc2 += du * _stream(x_row, 2, stride_xi, c, mask)
         acc3 += du * _stream(x_row, 3, stride_xi, c, mask)
     j = tl.arange(0, N)[None, :]
-    return (tl.where(j == 0, tl.sum(acc0, axis=1)[:, None], 0.0) + tl.where(j == 1, tl.sum(acc1, axis=1)[:, None], 0.0)
-            + tl.where(j == 2, tl.sum(acc2, axis=1)[:, None], 0.0) + tl.where(j == 3, tl.sum(acc3, axis=1)[:, None], 0.0))
+    return (tl.where(j == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
+            + tl.where(j == 1, tl.sum(acc1, axis=1)[:, None], 0.0)
+            + tl.where(j == 2, tl.sum(acc2, axis=1)[:, None], 0.0)
+            + tl.where(j == 3, tl.sum(acc3, axis=1)[:, None], 0.0))
 
 
 @triton.jit

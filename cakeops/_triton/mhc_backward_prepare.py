@@ -12,7 +12,10 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
-from .mhc_columns import POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED, GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH
+from .mhc_columns import (
+    POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED,
+    GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH,
+)
 
 
 @triton.jit

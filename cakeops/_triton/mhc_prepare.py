@@ -13,7 +13,10 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
-from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED, STATS_WIDTH as _STATS_WIDTH
+from .mhc_columns import (
+    PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
+    STATS_WIDTH as _STATS_WIDTH,
+)
 from .._backend import interpreting
 from .launch import persistent_programs
 
