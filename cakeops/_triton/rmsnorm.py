@@ -96,15 +96,6 @@ def _load_bwd_rows(G, X, RSTD, GRES, block, T, H, stride_g, stride_x, stride_gre
 
 
 @triton.jit
-def _load_chunk(G, X, W, row, c, m, stride_g, stride_x):
-    """(g, x, w) of one column chunk of a wide row, in FP32."""
-    g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
-    x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
-    return g, x, w
-
-
-@triton.jit
 def _rmsnorm_bwd_kernel(
     G, X, W, RSTD, GRES, DX, DW_OUT,
     T, H, stride_g, stride_x, stride_gres, stride_dx, stride_dw,
@@ -150,13 +141,18 @@ def _rmsnorm_bwd_kernel(
             c1 = tl.zeros([1], dtype=tl.float32)
             for k in range(NUM_CHUNKS):
                 c = cols + k * BLOCK
-                g, x, w = _load_chunk(G, X, W, row, c, c < H, stride_g, stride_x)
+                m = c < H
+                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
                 c1 += tl.sum(g * w * x, axis=1)
             c1 = c1 / H
             for k in range(NUM_CHUNKS):
                 c = cols + k * BLOCK
                 m = c < H
-                g, x, w = _load_chunk(G, X, W, row, c, m, stride_g, stride_x)
+                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
                 dx = rstd * g * w - x * (rstd * rstd * rstd * c1)[:, None]
                 if HAS_GRES:
                     dx += tl.load(GRES + row * stride_gres + c, mask=m, other=0.0).to(tl.float32)
