@@ -11,8 +11,8 @@ autograd.Functions (eager path, calling the kernels directly), and ``cake_mhc_tr
 under torch.compile.
 
 Decisions where FlashInfer leaves room: inputs X, B, dY, dU may be row-strided (unit last stride) and are read
-in place, other layouts are copied once; caller buffers (``out``, ``dX`` ...) must be contiguous and are
-overwritten, except dfn/dscale/dbase with ``accumulate=True`` (and ``dX`` of the head backward) which are
+in place, other layouts are copied once (by the ``*_impl`` entry, eager and compiled alike); caller buffers
+(``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True`` (and ``dX`` of the head backward) which are
 added into. Under torch.compile the stats are always kept for the backward (``save_stats`` applies to the
 eager path); the gradients are the same bits either way.
 """
@@ -24,7 +24,7 @@ from torch import Tensor
 from . import _mhc_args as args
 from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
-from ._ops.strides import unit_last as _stream_rows
+from ._ops.strides import unit_last
 from .meta import mhc as fake
 from .meta import mhc_layout as layout
 
@@ -56,7 +56,7 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.STATS_WIDTH), dtype=torch.float32,
                            device=X.device)
-    return ops.prepare_impl(_stream_rows(X), fn, scale, base, *hp, U=out, stats=stats_out)
+    return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out)
 
 
 def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
@@ -65,7 +65,7 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     """``stats`` alone, bitwise equal to forward_prepare's (checkpoint replay)."""
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     out = out_tensor("out", out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
-    return ops.prepare_impl(_stream_rows(X), fn, scale, base, *hp, stats=out, write_U=False)[1]
+    return ops.prepare_impl(X, fn, scale, base, *hp, stats=out, write_U=False)[1]
 
 
 def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
@@ -75,7 +75,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     args.like("B", B, X, (T, C))
     args.stats("stats", stats, X, layout.STATS_WIDTH)
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
-    return ops.finish_impl(_stream_rows(X), _stream_rows(B), _stream_rows(stats), out)
+    return ops.finish_impl(X, B, stats, out)
 
 
 def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
@@ -83,7 +83,7 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     args.streams("X", X)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
-    return ops.head_forward_impl(_stream_rows(X), out)
+    return ops.head_forward_impl(X, out)
 
 
 def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
@@ -94,7 +94,7 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
     dX = out_tensor("dX", dX, shape=(T, args.N, C), dtype=dY.dtype, device=dY.device)
     if accumulate and dX is None:
         raise ValueError("dX: accumulate=True needs the dX to add into")
-    return ops.head_backward_impl(_stream_rows(dY), args.N, dX, accumulate)
+    return ops.head_backward_impl(dY, args.N, dX, accumulate)
 
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
@@ -108,7 +108,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
     grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.GRAD_STATS_WIDTH),
                                 dtype=torch.float32, device=X.device)
-    return ops.backward_prepare_impl(_stream_rows(dY), _stream_rows(B), _stream_rows(X), _stream_rows(stats),
+    return ops.backward_prepare_impl(dY, B, X, stats,
                                      dB, grad_stats_out)
 
 
@@ -140,7 +140,7 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     dbase = out_tensor("dbase", dbase, shape=base.shape, dtype=torch.float32, device=X.device)
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into")
-    return ops.backward_finish_impl(_stream_rows(X), dY, dU, fn, scale, base, _stream_rows(stats), grad_stats, *hp,
+    return ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, *hp,
                                     deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
                                     dscale=dscale, dbase=dbase)
 
@@ -173,7 +173,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, fn, scale, base, state: _LayerState):
-        X = _stream_rows(X)
+        X = unit_last(X)
         U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams)
         state.stats = stats
         ctx.state = state
@@ -201,7 +201,7 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, B, state: _LayerState, *edges):
-        X, B = _stream_rows(X), _stream_rows(B)
+        X, B = unit_last(X), unit_last(B)
         stats = state.stats
         Y = ops.finish_impl(X, B, stats)
         ctx.state = state
@@ -230,11 +230,11 @@ class CakeMHCTrainHeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X):
         ctx.n = X.shape[1]
-        return ops.head_forward_impl(_stream_rows(X))
+        return ops.head_forward_impl(X)
 
     @staticmethod
     def backward(ctx, dY):
-        return ops.head_backward_impl(_stream_rows(dY), ctx.n)
+        return ops.head_backward_impl(dY, ctx.n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
     if torch.compiler.is_compiling():
-        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(_stream_rows(X), fn, scale, base, *hp, deterministic)
+        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X, fn, scale, base, *hp, deterministic)
         return U, MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
     U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X, fn, scale, base, state)
@@ -281,7 +281,7 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
     _check_branch_output("B", B, X)
     handle.used = True
     if torch.compiler.is_compiling():
-        return torch.ops.cakeops.mhc_finish(_stream_rows(X), _stream_rows(B), handle.stats, *handle.edges)
+        return torch.ops.cakeops.mhc_finish(X, B, handle.stats, *handle.edges)
     # X enters detached: the finish node has no edge to X at all (its X gradient travels as dY through the
     # edges), so no engine -- compiled autograd included -- ever sums a None into X's gradient.
     return CakeMHCTrainFinishFunction.apply(X.detach(), B, handle.state, *handle.edges)
@@ -291,7 +291,7 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
     """The model's final collapse of the streams, with autograd."""
     args.streams("X", X)
     if torch.compiler.is_compiling():
-        return torch.ops.cakeops.mhc_head_fwd(_stream_rows(X))
+        return torch.ops.cakeops.mhc_head_fwd(X)
     return CakeMHCTrainHeadFunction.apply(X)
 
 
