@@ -12,9 +12,9 @@ under torch.compile.
 
 Decisions where FlashInfer leaves room: inputs X, B, dY, dU may be row-strided (unit last stride) and are read
 in place, other layouts are copied once (by the ``*_impl`` entry, eager and compiled alike); caller buffers
-(``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True`` (and ``dX`` of the head backward) which are
-added into. Under torch.compile the stats are always kept for the backward (``save_stats`` applies to the
-eager path); the gradients are the same bits either way.
+(``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True``
+(and ``dX`` of the head backward) which are added into. Under torch.compile the stats are always kept for
+the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
 """
 from typing import Optional, Tuple
 

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from . import _checks
 from ._ops import rmsnorm as ops
-from ._ops.strides import unit_last
 
 __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
@@ -25,8 +24,8 @@ __all__ = [
 
 
 def _rows(t: Tensor) -> Tensor:
-    """[..., H] -> [T, H] with unit column stride, a view whenever the layout allows."""
-    return unit_last(t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t)
+    """[..., H] -> [T, H], a view whenever the layout allows (the kernels' entry copies what they cannot read)."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
 def _check_x_w(x, w, x_name: str = "x"):
