@@ -1,20 +1,23 @@
 """mHC backward_finish kernels and launcher: the prepare node's backward (SPEC §2), after the branch's.
 
-Three launches, four when deterministic:
+Three launches, five when deterministic:
 
 * kernel A (mhc_backward_dlogits.py), per token block: dpre from one pass over X and dU, the gradient of
   the gates and of the exact unrolled Sinkhorn, and per token dz = rstd*dmix and the scalar s into a small
   FP32 workspace; per-program partial sums for dbase and dscale.
-* ``_dx_dfn_kernel`` (B), grid (C chunks) x (token splits): each program owns the K columns
-  {i*C + c : c in its chunk, every stream i} and a range of tokens. Per token block it writes
-  dX = round(pre_i*dU + sum_j comb[i,j]*dY_j + (dz @ fn)_i - x_i*s), one rounding, and accumulates its
-  dfn partial dz^T @ x in registers (tl.dot, TF32 on a GPU, exact FP32 under the interpreter).
+* ``_dx_kernel`` (B), grid (C chunks) x (token splits): per token block
+  dX = round(pre_i*dU + sum_j comb[i,j]*dY_j + (dz @ fn)_i - x_i*s), one rounding, fn's columns of the chunk
+  held for the whole token range.
+* ``_dfn_kernel`` (C): dfn = dz^T @ X, a skinny GEMM over the tokens (per token split when deterministic).
 * deterministic: the partials (per token split for dfn, per program for dbase / dscale) are summed in a
   fixed order by ``_sum_partials_kernel`` and ``_params_reduce_kernel``; otherwise added with atomics.
 
-Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read twice (A and B).
-Fusing A into B per token block would serve the second read from L2, but then dfn (an [M, K] reduction
-over tokens) has no home in registers. A costs (X + dU) bytes on top of B's minimal traffic.
+Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read by A and again
+by B. dfn is a third read of X: accumulating it in B instead (dz^T @ x per token block, [M, K] partials in
+registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best on
+an H200 (T=16384, C=4096, bf16) against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
+The full fusion (A's reduction across C programs, then B and C from L2) needs programs that wait for each
+other; not done yet.
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -31,59 +34,75 @@ from .rmsnorm import _sum_partials_kernel
 
 
 @triton.jit
-def _dx_dfn_kernel(
-    X, DY, DU, FN, STATS, DZ, DX, DFN,
+def _dx_kernel(
+    X, DY, DU, FN, STATS, DZ, DX,
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
-    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Kernel B (see the module docstring). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials."""
+    """Kernel B (see the module docstring): dX over (C chunk) x (a range of token blocks).
+
+    Tiles are [N, BLOCK_T, BLOCK_C], the stream axis first: the compiler puts one warp on each stream, so the
+    per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
+    once per warp; the projection is one batched dot [N, BLOCK_T, M_PAD] @ [N, M_PAD, BLOCK_C] that takes the
+    elementwise terms as its accumulator (for sm_90: 168 registers, no spill, 3 layout conversions per block).
+    """
     M = 2 * N + N * N
-    c_block = tl.program_id(0)
-    split = tl.program_id(1)
-    j = tl.arange(0, N)
-    m = tl.arange(0, M_PAD)
-    m_ok = m < M
-    tt = tl.arange(0, BLOCK_T)
-    c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    i = tl.arange(0, N)[:, None, None]
+    tt = tl.arange(0, BLOCK_T)[None, :, None]
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c < C
-    # The program's K columns flattened stream-major, as tl.reshape lays out [BLOCK_T, N, BLOCK_C].
-    kk = tl.arange(0, N * BLOCK_C)
-    kc = c_block * BLOCK_C + kk % BLOCK_C
-    k_col = (kk // BLOCK_C) * C + kc
-    k_ok = kc < C
-    fn_k = tl.load(FN + m[:, None] * stride_fn + k_col[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    dfn = tl.zeros([M_PAD, N * BLOCK_C], dtype=tl.float32)
-    first = split * blocks_per_split
+    m_row = tl.arange(0, M_PAD)[None, :, None]
+    m_col = tl.arange(0, M_PAD)[None, None, :]
+    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
+    first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
-        dz = tl.load(DZ + t64[:, None] * M_PAD + m[None, :], mask=t_ok[:, None] & m_ok[None, :], other=0.0)
+        dz = tl.load(DZ + t64 * M_PAD + m_col + i * 0, mask=t_ok & (m_col < M), other=0.0)  # dz per stream
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         s_row = STATS + t64 * stride_st
-        mask = t_ok[:, None] & c_ok[None, :]
-        x = tl.load(X + t64[:, None, None] * stride_xt + j[None, :, None] * stride_xi + c[None, None, :],
-                    mask=mask[:, None, :], other=0.0).to(tl.float32)
-        du = tl.load(DU + t64[:, None] * stride_ut + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        pre = tl.load(s_row[:, None] + _PRE + j[None, :], mask=t_ok[:, None], other=0.0)
-        dx = pre[:, :, None] * du[:, None, :] - x * s[:, None, None]
-        for jj in tl.static_range(N):
-            dy = tl.load(DY + t64[:, None] * stride_dyt + jj * stride_dyi + c[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            comb = tl.load(s_row[:, None] + _COMB + j[None, :] * N + jj, mask=t_ok[:, None], other=0.0)
-            dx += comb[:, :, None] * dy[:, None, :]
-        dx += tl.reshape(tl.dot(dz, fn_k, input_precision=PRECISION), [BLOCK_T, N, BLOCK_C])
-        tl.store(DX + t64[:, None, None] * stride_dxt + j[None, :, None] * stride_dxi + c[None, None, :],
-                 dx.to(DX.dtype.element_ty), mask=mask[:, None, :])
-        dfn = tl.dot(tl.trans(dz), tl.reshape(x, [BLOCK_T, N * BLOCK_C]), dfn, input_precision=PRECISION)
-    dst = m[:, None] * (N * C) + k_col[None, :]
-    dst_ok = m_ok[:, None] & k_ok[None, :]
+        mask = t_ok & c_ok
+        x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
+        du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
+        dx = tl.load(s_row + _PRE + i, mask=t_ok, other=0.0) * du - x * s
+        for j in tl.static_range(N):
+            dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
+            dx += tl.load(s_row + _COMB + i * N + j, mask=t_ok, other=0.0) * dy
+        dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
+        tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
+
+
+@triton.jit
+def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
+                N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
+    tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
+    C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials."""
+    M = 2 * N + N * N
+    c_blocks = tl.cdiv(C, BLOCK_C)
+    i = tl.program_id(0) // c_blocks
+    c = (tl.program_id(0) % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.arange(0, M_PAD)
+    tt = tl.arange(0, BLOCK_T)
+    acc = tl.zeros([M_PAD, BLOCK_C], dtype=tl.float32)
+    first = tl.program_id(1) * blocks_per_split
+    for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
+        t = block * BLOCK_T + tt
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
+        x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
+                    other=0.0)
+        acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
+    dst = m[:, None] * (N * C) + i * C + c[None, :]
+    ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:
-        tl.atomic_add(DFN + dst, dfn, mask=dst_ok)
+        tl.atomic_add(DFN + dst, acc, mask=ok)
     else:
-        tl.store(DFN + split.to(tl.int64) * (M * N * C) + dst, dfn, mask=dst_ok)
+        tl.store(DFN + tl.program_id(1).to(tl.int64) * (M * N * C) + dst, acc, mask=ok)
 
 
 @triton.jit
@@ -118,28 +137,51 @@ def _params_reduce_kernel(PART, DBASE, DSCALE, P, N: tl.constexpr, M_PAD: tl.con
 
 @dataclass(frozen=True)
 class FinishConfig:
-    """Launch shape of backward_finish. Defaults are for an H200 (register counts from sm_90 builds: A ~122
-    at 4 warps, B ~168 at 4 warps, i.e. 4 and 3 programs per SM); the bench tunes them."""
+    """Launch shape of backward_finish. Defaults: the fastest of a sweep on an H200 (bf16, T=16384, C=4096,
+    2026-11-29; docs/perf.md). ``python -m cakeops.bench.tune --ops backward_finish`` sweeps them again."""
     dlogits_block_t: int = 8     # kernel A: tokens per block
     dlogits_block_c: int = 128   # kernel A: columns per chunk of the dpre pass
     dlogits_warps: int = 4
     dlogits_per_sm: int = 4      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
-    block_t: int = 16            # kernel B: tokens per block (>= 16, a tl.dot dimension)
-    block_c: int = 32            # kernel B: columns per stream; a program owns n*block_c columns of K
+    block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
+    block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4
     stages: Optional[int] = 2
-    per_sm: int = 3              # kernel B: (C chunks) x (token splits) <= per_sm programs per SM: one wave
+    per_sm: int = 4              # kernel B: (C chunks) x (token splits) ~ per_sm programs per SM
     splits: Optional[int] = None  # kernel B: token splits; None derives them from per_sm
+    dfn_block_t: int = 64        # kernel C (dfn): tokens per step of the GEMM's K loop
+    dfn_block_c: int = 256       # kernel C: columns of one stream per program
+    dfn_warps: int = 4
+    dfn_stages: Optional[int] = 3
+    dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
+    dfn_splits: Optional[int] = None
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
+
+
+class _Split(NamedTuple):
+    """A (column tiles) x (token splits) grid over token blocks."""
+    block_c: int
+    columns: int          # program_id(0) extent
+    splits: int           # program_id(1) extent
+    blocks_per_split: int
+
+
+def _split(device, T: int, C: int, block_t: int, block_c: int, per_sm: int, splits: Optional[int],
+           streams: int = 1) -> _Split:
+    block_c = max(16, min(block_c, triton.next_power_of_2(C)))
+    columns = streams * triton.cdiv(C, block_c)
+    token_blocks = triton.cdiv(T, block_t)
+    if splits is None:
+        splits = max(1, persistent_programs(device, columns * token_blocks, per_sm) // columns)
+    blocks_per_split = triton.cdiv(token_blocks, max(1, min(splits, token_blocks)))
+    return _Split(block_c, columns, triton.cdiv(token_blocks, blocks_per_split), blocks_per_split)
 
 
 class _Plan(NamedTuple):
     dlogits_programs: int
     dlogits_block_c: int
-    block_c: int
-    c_blocks: int
-    splits: int
-    blocks_per_split: int
+    dx: _Split
+    dfn: _Split
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
     # dfn partials [splits, M, K] (deterministic only)
     sizes: tuple
@@ -149,17 +191,11 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     n, M = layout.N_STREAMS, layout.N_LOGITS
     a_programs = persistent_programs(device, triton.cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm)
     a_block_c = max(16, min(cfg.dlogits_block_c, triton.next_power_of_2(C)))
-    block_c = max(16, min(cfg.block_c, triton.next_power_of_2(C)))
-    c_blocks = triton.cdiv(C, block_c)
-    token_blocks = triton.cdiv(T, cfg.block_t)
-    splits = cfg.splits
-    if splits is None:
-        splits = persistent_programs(device, c_blocks * token_blocks, cfg.per_sm) // c_blocks
-    blocks_per_split = triton.cdiv(token_blocks, max(1, min(splits, token_blocks)))
-    splits = triton.cdiv(token_blocks, blocks_per_split)  # no split without tokens
+    dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
+    dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     sizes = (T * M_PAD, a_programs * 2 * M_PAD, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             splits * M * n * C if deterministic else 0)
-    return _Plan(a_programs, a_block_c, block_c, c_blocks, splits, blocks_per_split, sizes)
+             dfn.splits * M * n * C if deterministic else 0)
+    return _Plan(a_programs, a_block_c, dx, dfn, sizes)
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
@@ -168,6 +204,10 @@ def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device:
     if T == 0:
         return 0
     return sum(_plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig()).sizes)
+
+
+def _stages(stages: Optional[int]) -> dict:
+    return {} if stages is None else {"num_stages": stages}
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -220,21 +260,26 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, BLOCK_C=plan.dlogits_block_c,
         num_warps=cfg.dlogits_warps,
     )
-    extra = {} if cfg.stages is None else {"num_stages": cfg.stages}
-    _dx_dfn_kernel[(plan.c_blocks, plan.splits)](
-        X, dY, dU, fn, stats, dz, dX, dfn if atomic else dfn_part,
-        T, C, plan.blocks_per_split,
+    precision = cfg.input_precision or _precision(X.dtype)
+    _dx_kernel[(plan.dx.columns, plan.dx.splits)](
+        X, dY, dU, fn, stats, dz, dX,
+        T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=cfg.input_precision or _precision(X.dtype),
-        BLOCK_T=cfg.block_t, BLOCK_C=plan.block_c, num_warps=cfg.warps, **extra,
+        N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
+        num_warps=cfg.warps, **_stages(cfg.stages),
+    )
+    _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
+        X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+        N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
+        num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
     )
     if atomic:
         return
     width = M * n * C
     sum_block = min(1024, triton.next_power_of_2(width))
     _sum_partials_kernel[(triton.cdiv(width, sum_block),)](
-        dfn_part, dfn, plan.splits, width, width, ACCUMULATE=accumulate, BLOCK_P=8, BLOCK=sum_block, num_warps=4,
+        dfn_part, dfn, plan.dfn.splits, width, width, ACCUMULATE=accumulate, BLOCK_P=8, BLOCK=sum_block, num_warps=4,
     )
     _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
                                 ACCUMULATE=accumulate, BLOCK_P=32, num_warps=4)

@@ -1,5 +1,5 @@
-"""``python -m cakeops.bench.tune [--ops prepare,backward_prepare,backward_finish] [--out DIR]``: sweep the launch
-shapes of the mHC kernels on a GPU, check every variant against the default's outputs, and print the fastest.
+"""``python -m cakeops.bench.tune [--ops OPS] [--out DIR]``: sweep the launch shapes of the mHC kernels
+(prepare, backward_prepare, backward_finish, head_backward) on a GPU, check every variant against the default's outputs, and print the fastest.
 
 One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
 defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096, bf16, sinkhorn_iters=20.
@@ -34,8 +34,13 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    for split_k, block_t, warps in itertools.product((4, 8, 16), (16, 32, 64), (4, 8)):
-        yield dict(split_k=split_k, block_t=block_t, num_warps=warps, num_stages=3), None
+    for block_t, num_warps in ((64, 8), (128, 8), (32, 4)):
+        yield dict(block_t=block_t, num_warps=num_warps, per_sm=1), None
+    # the ticketed split-K kernel: (split_k, block_t, num_warps, per_sm)
+    for split_k, block_t, warps, per_sm in ((16, 64, 8, 1), (16, 64, 4, 1), (16, 32, 4, 2), (16, 32, 8, 1),
+                                            (32, 64, 8, 1), (32, 32, 4, 2), (8, 64, 8, 1), (8, 32, 4, 2),
+                                            (16, 128, 8, 1), (32, 128, 8, 1), (16, 64, 8, 2), (32, 64, 4, 2)):
+        yield dict(split_k=split_k, block_t=block_t, num_warps=warps, per_sm=per_sm, num_stages=3), None
 
 
 def _backward_prepare_variants():
@@ -48,9 +53,21 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    for block_t, block_c, warps, per_sm, a_t in itertools.product((16, 32), (32, 64), (4, 8), (2, 3, 4), (8, 16)):
-        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm,
-                                       dlogits_block_t=a_t)), None
+    for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (16, 64, 4, 8), (16, 128, 4, 4),
+                                            (16, 128, 8, 4), (16, 128, 8, 2), (32, 128, 8, 2), (16, 32, 4, 8)):
+        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
+    for block_t, block_c, warps, per_sm in ((8, 64, 4, 4), (16, 128, 4, 2), (16, 64, 4, 4), (8, 128, 8, 2),
+                                            (4, 128, 4, 8)):
+        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_block_c=block_c, dlogits_warps=warps,
+                                       dlogits_per_sm=per_sm)), None
+    for block_t, block_c, per_sm in ((64, 256, 1), (128, 256, 2), (64, 512, 2)):
+        yield dict(config=FinishConfig(dfn_block_t=block_t, dfn_block_c=block_c, dfn_per_sm=per_sm)), None
+
+
+def _head_backward_variants():
+    yield {}, "default"
+    for block_c in (512, 1024, 4096):
+        yield dict(block_c=block_c), None
 
 
 def _label(kw):
@@ -85,6 +102,14 @@ def sweep(op, device, inputs):
             db, g = torch.empty_like(dB), torch.empty_like(gs)
             mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw)
             return lambda: mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw), (db, g)
+    elif op == "head_backward":
+        from .._triton import mhc_streams
+        variants, nbytes = _head_backward_variants(), dU.nbytes + X.nbytes
+
+        def run(kw):
+            dx = torch.empty_like(X)
+            mhc_streams.head_backward(dU, dx, False, **kw)
+            return lambda: mhc_streams.head_backward(dU, dx, False, **kw), (dx,)
     else:
         variants = _backward_finish_variants()
         nbytes = 3 * X.nbytes + dU.nbytes + 2 * fn.nbytes + stats.nbytes + gs.nbytes
@@ -114,7 +139,7 @@ def sweep(op, device, inputs):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ops", default="prepare,backward_prepare,backward_finish")
+    p.add_argument("--ops", default="prepare,backward_prepare,backward_finish,head_backward")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
