@@ -99,9 +99,10 @@ def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut,
+def _collapse_backward(X, DU, t64, t_ok, c_lo, c_hi, stride_xt, stride_xi, stride_ut,
                        N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c], FP32, reduced once after the chunk loop.
+    """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c] over c in [c_lo, c_hi), FP32, reduced once after the
+    chunk loop.
 
     2-D [BLOCK_T, BLOCK_C] tiles, one accumulator per stream (written out for n = 4): a [BLOCK_T, n, BLOCK_C]
     tile compiled for sm_90 to scalar loads and barriers; these tiles load 16 bytes per thread per access."""
@@ -113,9 +114,9 @@ def _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut,
     acc1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
+    for c0 in range(c_lo, c_hi, BLOCK_C):
         c = (c0 + offs_c)[None, :]
-        mask = t_ok[:, None] & (c < C)
+        mask = t_ok[:, None] & (c < c_hi)
         du = tl.load(u_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc0 += du * _stream(x_row, 0, stride_xi, c, mask)
         acc1 += du * _stream(x_row, 1, stride_xi, c, mask)
@@ -135,13 +136,44 @@ def _stream(x_row, i: tl.constexpr, stride_xi, c, mask):
 
 
 @triton.jit
+def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
+                   base_pre, base_post, base_res, hc_eps, iters, scr, N: tl.constexpr, M_PAD: tl.constexpr,
+                   STEP: tl.constexpr):
+    """One token block from dpre [BLOCK_T, N]: back through the gates and the Sinkhorn to dlogit, writes the
+    block's dz rows (dz = rstd*dmix at 0..M-1, s at M). Returns dlogit and mix as (pre, post, res) pieces."""
+    M = 2 * N + N * N
+    j = tl.arange(0, N)
+    ij = j[:, None] * N + j[None, :]
+    s_row = STATS + t64 * stride_st
+    g_row = GS + t64 * stride_gt
+    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
+    rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
+    dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
+    dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
+    # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
+    sg_pre = _sigmoid(mix_pre * scale_pre + base_pre)
+    sg_post = _sigmoid(mix_post * scale_post + base_post)
+    dl_pre = dpre * sg_pre * (1.0 - sg_pre)
+    dl_post = dpost * 2.0 * sg_post * (1.0 - sg_post)
+    dl_res = _sinkhorn_backward(mix_res * scale_res + base_res, dcomb, hc_eps, iters, scr, STEP)
+
+    dm_pre, dm_post, dm_res = dl_pre * scale_pre, dl_post * scale_post, dl_res * scale_res
+    dmix_mix = (tl.sum(dm_pre * mix_pre, axis=1) + tl.sum(dm_post * mix_post, axis=1)
+                + tl.sum(tl.sum(dm_res * mix_res, axis=2), axis=1))
+    dz_row = DZ + t64 * M_PAD
+    _put_logits(dz_row, t_ok, rstd[:, None] * dm_pre, rstd[:, None] * dm_post, rstd[:, None, None] * dm_res,
+                N, False)
+    tl.store(dz_row + M, tl.div_rn(rstd * rstd, (N * C) * 1.0) * dmix_mix, mask=t_ok)
+    return dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res
+
+
+@triton.jit
 def _dlogits_kernel(
     X, DU, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
     T, C, stride_xt, stride_xi, stride_ut, stride_st, stride_gt, hc_eps, iters,
     N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Kernel A (see the module docstring). Padded tokens have zero upstream gradients, hence zero dlogits."""
-    M = 2 * N + N * N
     pid = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
     j = tl.arange(0, N)
@@ -160,28 +192,10 @@ def _dlogits_kernel(
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
-        dpre = _collapse_backward(X, DU, t64, t_ok, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
-        s_row = STATS + t64 * stride_st
-        g_row = GS + t64 * stride_gt
-        mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
-        rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
-        dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
-        dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
-        # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
-        sg_pre = _sigmoid(mix_pre * scale_pre + base_pre)
-        sg_post = _sigmoid(mix_post * scale_post + base_post)
-        dl_pre = dpre * sg_pre * (1.0 - sg_pre)
-        dl_post = dpost * 2.0 * sg_post * (1.0 - sg_post)
-        dl_res = _sinkhorn_backward(mix_res * scale_res + base_res, dcomb, hc_eps, iters, scr, STEP)
-
-        dm_pre, dm_post, dm_res = dl_pre * scale_pre, dl_post * scale_post, dl_res * scale_res
-        dmix_mix = (tl.sum(dm_pre * mix_pre, axis=1) + tl.sum(dm_post * mix_post, axis=1)
-               + tl.sum(tl.sum(dm_res * mix_res, axis=2), axis=1))
-        dz_row = DZ + t64 * M_PAD
-        _put_logits(dz_row, t_ok, rstd[:, None] * dm_pre, rstd[:, None] * dm_post, rstd[:, None, None] * dm_res,
-                    N, False)
-        tl.store(dz_row + M, tl.div_rn(rstd * rstd, (N * C) * 1.0) * dmix_mix, mask=t_ok)
-
+        dpre = _collapse_backward(X, DU, t64, t_ok, 0, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
+        dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res = _dlogits_block(
+            dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
+            base_pre, base_post, base_res, hc_eps, iters, scr, N, M_PAD, STEP)
         db_pre += tl.sum(dl_pre, axis=0, keep_dims=True)
         db_post += tl.sum(dl_post, axis=0, keep_dims=True)
         db_res += tl.sum(dl_res, axis=0, keep_dims=True)

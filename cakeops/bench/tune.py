@@ -1,5 +1,6 @@
 """``python -m cakeops.bench.tune [--ops OPS] [--out DIR]``: sweep the launch shapes of the mHC kernels
-(prepare, backward_prepare, backward_finish, head_backward) on a GPU, check every variant against the default's outputs, and print the fastest.
+(prepare, backward_prepare, backward_finish, head_backward) on a GPU, check every variant against the default's
+outputs, and print the fastest.
 
 One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
 defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096, bf16, sinkhorn_iters=20.
