@@ -35,12 +35,10 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    for block_t, num_warps in ((64, 8), (128, 8), (32, 4)):
-        yield dict(block_t=block_t, num_warps=num_warps, per_sm=1), None
+    yield dict(block_t=64, num_warps=8, per_sm=1), None
     # the ticketed split-K kernel: (split_k, block_t, num_warps, per_sm)
-    for split_k, block_t, warps, per_sm in ((16, 64, 8, 1), (16, 64, 4, 1), (16, 32, 4, 2), (16, 32, 8, 1),
-                                            (32, 64, 8, 1), (32, 32, 4, 2), (8, 64, 8, 1), (8, 32, 4, 2),
-                                            (16, 128, 8, 1), (32, 128, 8, 1), (16, 64, 8, 2), (32, 64, 4, 2)):
+    for split_k, block_t, warps, per_sm in ((16, 64, 8, 1), (16, 32, 4, 2), (32, 64, 8, 1), (8, 64, 8, 1),
+                                            (16, 64, 8, 2), (32, 32, 4, 2), (16, 128, 8, 1)):
         yield dict(split_k=split_k, block_t=block_t, num_warps=warps, per_sm=per_sm, num_stages=3), None
 
 
@@ -54,15 +52,14 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (16, 64, 4, 8), (16, 128, 4, 4),
-                                            (16, 128, 8, 4), (16, 128, 8, 2), (32, 128, 8, 2), (16, 32, 4, 8)):
+    for block_t, block_c, warps, per_sm in ((16, 64, 4, 6), (16, 64, 4, 8), (16, 128, 8, 4)):
         yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
-    for block_t, block_c, warps, per_sm in ((8, 64, 4, 4), (16, 128, 4, 2), (16, 64, 4, 4), (8, 128, 8, 2),
-                                            (4, 128, 4, 8)):
-        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_block_c=block_c, dlogits_warps=warps,
-                                       dlogits_per_sm=per_sm)), None
-    for block_t, block_c, per_sm in ((64, 256, 1), (128, 256, 2), (64, 512, 2)):
-        yield dict(config=FinishConfig(dfn_block_t=block_t, dfn_block_c=block_c, dfn_per_sm=per_sm)), None
+    for block_t, block_c, per_sm in ((16, 128, 2), (8, 64, 4)):
+        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_block_c=block_c, dlogits_per_sm=per_sm)), None
+    # kernels A and B fused by tickets: (split_k, per_sm, warps, block_c)
+    for split_k, per_sm, warps, block_c in ((16, 2, 4, 64), (16, 1, 8, 64), (8, 2, 4, 64), (32, 2, 4, 64),
+                                            (16, 4, 4, 32), (16, 2, 4, 32)):
+        yield dict(config=FinishConfig(split_k=split_k, per_sm=per_sm, warps=warps, block_c=block_c)), None
 
 
 def _head_backward_variants():
