@@ -152,9 +152,6 @@ FINISH_CASES = [
     pytest.param(1, 1, 20, "default_eps", {}, id="T1-C1-it20-default"),
     pytest.param(24, 40, 3, "large_eps", {**SMALL, "splits": 2, "dfn_splits": 2, "dlogits_block_t": 4}, id="T24-C40-it3-split"),
     pytest.param(0, 8, 20, "default_eps", {}, id="T0"),
-    # kernels A and B fused by tickets: several slices and token blocks, a slice narrower than its chunk
-    pytest.param(40, 40, 3, "large_eps", {**SMALL, "split_k": 3}, id="T40-C40-it3-fused"),
-    pytest.param(13, 100, 20, "default_eps", {"split_k": 2}, id="T13-C100-it20-fused"),
 ]
 
 
@@ -202,11 +199,10 @@ def test_kernels_match_autograd_of_layer(triton_kernels, gen, dtype, iters, eps)
 # ------------------------------------------------------------------------------------------------
 
 SPLIT = K.FinishConfig(**SMALL, splits=2, dfn_splits=2, dlogits_block_t=4)
-FUSED = K.FinishConfig(**SMALL, dfn_splits=2, split_k=3)
 
 
-@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["unfused", "fused"])
-def test_deterministic_is_bitwise_and_atomics_close(triton_kernels, gen, config):
+def test_deterministic_is_bitwise_and_atomics_close(triton_kernels, gen):
+    config = SPLIT
     case = Case(gen, 24, 40, torch.bfloat16, 20)
     runs = [case.finish(config=config) for _ in range(3)]
     for run in runs[1:]:
@@ -218,10 +214,10 @@ def test_deterministic_is_bitwise_and_atomics_close(triton_kernels, gen, config)
         assert rel_err(a, b) <= 1e-5
 
 
-@pytest.mark.parametrize("config", [SPLIT, FUSED], ids=["unfused", "fused"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
 @pytest.mark.parametrize("T", [24, 0], ids=["T24", "T0"])
-def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic, T, config):
+def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic, T):
+    config = SPLIT
     case = Case(gen, T, 40, torch.float32, 3)
     fresh = case.finish(config=config, deterministic=deterministic)
     given = (randn(gen, N_LOGITS, N * case.C, dtype=torch.float32), randn(gen, 3, dtype=torch.float32),
@@ -304,19 +300,3 @@ def test_gpu_real_size(gen, dtype):
     fast = case.finish(deterministic=False)
     for a, b in zip(fast[1:], outs[1:]):
         assert rel_err(a, b) <= 1e-5
-
-
-@pytest.mark.skipif(not ON_GPU, reason="real sizes need a GPU")
-@pytest.mark.parametrize("split_k, per_sm", [(16, 4), (8, 1), (32, 8)])
-def test_gpu_real_size_fused(gen, split_k, per_sm):
-    """The ticketed A+B kernel with programs really running at once: vs fp64, bitwise over runs, and equal to the
-    unfused kernels but for the summation order of dpre."""
-    case = Case(gen, 2048, 4096, torch.bfloat16, 20, "default_eps")
-    config = K.FinishConfig(split_k=split_k, per_sm=per_sm)
-    outs = case.finish(config=config)
-    assert_finish_close(outs, case.reference_finish(), torch.bfloat16)
-    for _ in range(3):
-        for a, b in zip(outs, case.finish(config=config)):
-            assert torch.equal(a, b)
-    for a, b in zip(outs, case.finish()):
-        assert rel_err(a, b) <= 1e-3

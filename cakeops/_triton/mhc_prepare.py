@@ -93,20 +93,20 @@ def _prepare_block(
     t_ok = t < T
     acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, 0, C, stride_xi, stride_fn, N, M, M_PAD,
                            BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
-    pre = _finalize_stats(SCALE, BASE, STATS, acc, sum_sq, t, t_ok, C, rms_eps, hc_eps, iters, N, M_PAD, BLOCK_T)
-    if WRITE_U:
-        _collapse(X, U, pre, t, t_ok, 0, C, stride_xt, stride_xi, stride_ut, N, BLOCK_C)
+    _finalize_block(X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut, rms_eps,
+                    hc_eps, iters, N, M_PAD, WRITE_U, BLOCK_T, BLOCK_C)
 
 
 @triton.jit
-def _finalize_stats(
-    SCALE, BASE, STATS, acc, sum_sq, t, t_ok, C, rms_eps, hc_eps, iters,
-    N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+def _finalize_block(
+    X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut, rms_eps, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """From the whole projection and sum of squares of a token block: rstd, mix, the gates and the Sinkhorn
-    (the stats rows). Returns pre [BLOCK_T, N] for the collapse."""
+    (the stats rows) and, when WRITE_U, pass 2: the collapse U = sum_i pre_i * X_i."""
     M = 2 * N + N * N
     t64 = t.to(tl.int64)
+    x_rows = t64 * stride_xt
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, (N * C) * 1.0) + rms_eps))
     mix = acc * rstd[:, None]
 
@@ -134,25 +134,20 @@ def _finalize_stats(
     tl.store(s_row[:, None] + _PRE + j[None, :], pre, mask=row_ok)
     tl.store(s_row[:, None] + _POST + j[None, :], post, mask=row_ok)
     tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])
-    return pre
 
-
-@triton.jit
-def _collapse(X, U, pre, t, t_ok, c_lo, c_hi, stride_xt, stride_xi, stride_ut,
-              N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Pass 2, columns [c_lo, c_hi): U = sum_i pre_i * X_i, last chunk first: the data pass 1 read last is
-    the likeliest to be still in L2."""
-    t64 = t.to(tl.int64)
-    j = tl.arange(0, N)
-    offs_c = tl.arange(0, BLOCK_C)
-    num_chunks = tl.cdiv(c_hi - c_lo, BLOCK_C)
-    for k in range(num_chunks):
-        c = c_lo + (num_chunks - 1 - k) * BLOCK_C + offs_c
-        mask = t_ok[:, None] & (c < c_hi)[None, :]
-        x = tl.load(X + (t64 * stride_xt)[:, None, None] + j[None, :, None] * stride_xi + c[None, None, :],
-                    mask=mask[:, None, :], other=0.0).to(tl.float32)
-        u = tl.sum(pre[:, :, None] * x, axis=1)
-        tl.store(U + (t64 * stride_ut)[:, None] + c[None, :], u.to(U.dtype.element_ty), mask=mask)
+    if WRITE_U:
+        # Pass 2 re-reads the block from L2, last chunk first: the most recently read data is the likeliest
+        # to be still there when the L2 cannot hold the whole working set of all programs.
+        offs_c = tl.arange(0, BLOCK_C)
+        u_rows = t64 * stride_ut
+        num_chunks = tl.cdiv(C, BLOCK_C)
+        for k in range(num_chunks):
+            c = (num_chunks - 1 - k) * BLOCK_C + offs_c
+            mask = row_ok & (c < C)[None, :]
+            x = tl.load(X + x_rows[:, None, None] + j[None, :, None] * stride_xi + c[None, None, :],
+                        mask=mask[:, None, :], other=0.0).to(tl.float32)
+            u = tl.sum(pre[:, :, None] * x, axis=1)
+            tl.store(U + u_rows[:, None] + c[None, :], u.to(U.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -169,69 +164,6 @@ def _prepare_kernel(
         _prepare_block(X, FN, SCALE, BASE, STATS, U, block, T, C, stride_xt, stride_xi, stride_fn, stride_ut,
                        rms_eps, hc_eps, iters, N, M_PAD, WRITE_U, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET,
                        PRECISION)
-
-
-@triton.jit
-def _prepare_ticket_kernel(
-    X, FN, SCALE, BASE, STATS, U, PART, SQ, SYNC,
-    T, C, cols_per_split, lag, stride_xt, stride_xi, stride_fn, stride_ut, rms_eps, hc_eps, iters,
-    SPLITS: tl.constexpr, N: tl.constexpr, M_PAD: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Split-K prepare: the work of a token block is cut into SPLITS column slices, handed out as tickets.
-
-    Ticket u = b*SPLITS + s: pass 1 of slice s of block b (its partial projection and sum of squares), then
-    pass 2 of slice s of block b - lag (the collapse of those columns, re-read from L2). The last pass 1 of
-    a block to arrive sums the partials in split order (deterministic) and writes the stats, then raises the
-    block's flag; a pass 2 waits for the flag of its block. Why it cannot deadlock, whatever the number of
-    resident programs: a pass 2 only waits for pass-1 work of tickets smaller than its own, already taken
-    by running programs, and a pass 1 never waits. (The interpreter runs program 0 through every ticket.)
-
-    Why: one program per token block must hold the whole block between its two passes; with C = 4096 every
-    block is >= 512 KB, the blocks in flight outgrow the L2 and pass 2 reads HBM again. Here a slice is
-    SPLITS times smaller and only about (programs + lag*SPLITS) slices are in flight.
-    SYNC: int32 [ticket counter | arrivals per block | flags per block], zeroed by the launcher."""
-    blocks = tl.cdiv(T, BLOCK_T)
-    total = (blocks + lag) * SPLITS if WRITE_U else blocks * SPLITS
-    tt = tl.arange(0, BLOCK_T)
-    offs_m = tl.arange(0, M_PAD)
-    j = tl.arange(0, N)
-    u = tl.atomic_add(SYNC, 1)
-    while u < total:
-        b = u // SPLITS
-        c_lo = (u % SPLITS) * cols_per_split
-        c_hi = tl.minimum(C, c_lo + cols_per_split)
-        if b < blocks:
-            t = b * BLOCK_T + tt
-            acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t < T, C, c_lo, c_hi, stride_xi, stride_fn,
-                                   N, 2 * N + N * N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
-            slot = u.to(tl.int64) * BLOCK_T + tt
-            tl.store(PART + slot[:, None] * M_PAD + offs_m[None, :], acc)
-            tl.store(SQ + slot, sum_sq)
-            tl.debug_barrier()  # every thread's partial is written before the release below publishes them
-            if tl.atomic_add(SYNC + 1 + b, 1, sem="acq_rel") == SPLITS - 1:
-                first = (b * SPLITS).to(tl.int64) * BLOCK_T + tt
-                acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
-                sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-                for k in range(SPLITS):  # split order, whoever arrived last
-                    acc += tl.load(PART + (first + k * BLOCK_T)[:, None] * M_PAD + offs_m[None, :],
-                                   cache_modifier=".cg")
-                    sum_sq += tl.load(SQ + first + k * BLOCK_T, cache_modifier=".cg")
-                _finalize_stats(SCALE, BASE, STATS, acc, sum_sq, t, t < T, C, rms_eps, hc_eps, iters, N, M_PAD,
-                                BLOCK_T)
-                tl.debug_barrier()  # the stats rows are written before the flag goes up
-                tl.atomic_xchg(SYNC + 1 + blocks + b, 1, sem="release")
-        if WRITE_U:
-            if b >= lag:
-                done = b - lag
-                while tl.atomic_add(SYNC + 1 + blocks + done, 0, sem="acquire") == 0:
-                    pass
-                t = done * BLOCK_T + tt
-                t_ok = t < T
-                pre = tl.load(STATS + (t.to(tl.int64) * _STATS_WIDTH)[:, None] + _PRE + j[None, :],
-                              mask=t_ok[:, None], other=0.0, cache_modifier=".cg")
-                _collapse(X, U, pre, t, t_ok, c_lo, c_hi, stride_xt, stride_xi, stride_ut, N, BLOCK_C)
-        u = tl.atomic_add(SYNC, 1)
 
 
 def _prepare_config(X: torch.Tensor, T: int, C: int):
@@ -255,15 +187,12 @@ def _prepare_config(X: torch.Tensor, T: int, C: int):
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, per_sm: Optional[int] = None, split_k: Optional[int] = None) -> None:
+            num_stages: Optional[int] = None, per_sm: Optional[int] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats: the same kernel with the collapse pass compiled out. Tile parameters left
     None take the defaults of ``_prepare_config``. ``per_sm``: a persistent grid of that many programs per
-    multiprocessor instead of one program per token block. ``split_k``: the ticketed split-K kernel
-    (``_prepare_ticket_kernel``), each block cut into that many column slices, ``per_sm`` programs per
-    multiprocessor (default 1); its stats differ from the default
-    kernel's by rounding (another summation order) but are bitwise the same between prepare and stats.
+    multiprocessor instead of one program per token block.
     """
     T, n, C = X.shape
     if T == 0:
@@ -279,24 +208,6 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     extra = {} if num_stages is None else {"num_stages": num_stages}
     u = U if U is not None else stats  # a placeholder pointer: never touched without WRITE_U
     blocks = triton.cdiv(T, block_t)
-    if split_k is not None:
-        cols = triton.cdiv(triton.cdiv(C, split_k), block_c) * block_c  # whole chunks per split
-        splits = triton.cdiv(C, cols)
-        m_pad = max(16, triton.next_power_of_2(M))
-        programs = persistent_programs(X.device, blocks * splits, per_sm or 1)
-        lag = triton.cdiv(programs, splits) + 1  # a pass 2 starts about when its block's pass 1 is done
-        part = torch.empty(blocks * splits * block_t * m_pad, device=X.device, dtype=torch.float32)
-        sq = torch.empty(blocks * splits * block_t, device=X.device, dtype=torch.float32)
-        sync = torch.zeros(1 + 2 * blocks, device=X.device, dtype=torch.int32)
-        _prepare_ticket_kernel[(programs,)](
-            X, fn, scale, base, stats, u, part, sq, sync,
-            T, C, cols, lag, X.stride(0), X.stride(1), fn.stride(0), u.stride(0),
-            float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-            SPLITS=splits, N=n, M_PAD=m_pad, WRITE_U=U is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-            SPLIT_BF16=X.dtype == torch.bfloat16, INTERPRET=interpreting(),
-            PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32", num_warps=num_warps, **extra,
-        )
-        return
     programs = blocks if per_sm is None else persistent_programs(X.device, blocks, per_sm)
     _prepare_kernel[(programs,)](
         X, fn, scale, base, stats, u,

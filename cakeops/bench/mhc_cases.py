@@ -77,25 +77,6 @@ def _prepare_check(s):
     return _errors(("U", "stats"), got, want)
 
 
-def _prepare_split(split_k):
-    """The experimental split-K prepare kernel (mhc_prepare._prepare_split_kernel), timed beside the default."""
-    def run(s):
-        from .._triton import mhc_prepare as kernels
-        kernels.prepare(s.X, s.fn, s.scale, s.base, HP["rms_eps"], HP["hc_eps"], HP["sinkhorn_iters"], s.stats,
-                        s.U, split_k=split_k)
-        return s.U, s.stats
-    return run
-
-
-def _prepare_split_check(split_k):
-    def check(s):
-        if not s.X.is_cuda:  # the CPU path is the reference math: nothing of the kernel to check
-            return _prepare_check(s)
-        got = tuple(t.clone() for t in _prepare_split(split_k)(s))
-        return _errors(("U", "stats"), got, _prepare_ref(_d(s)))
-    return check
-
-
 def _finish(s):
     return mhc.cake_mhc_train_forward_finish(s.X, s.B, s.stats)
 
@@ -249,10 +230,6 @@ def _cases():
         for i, size in enumerate(SHAPES):
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
                        peers=peers(eager), tiny=TINY, quick=i == 0)
-    for split_k in (8, 16):
-        yield Case(family="mhc", name=f"mhc forward_prepare split-K {split_k} (experimental)", size=SHAPES[0],
-                   make=_make, run=_prepare_split(split_k), nbytes=_prepare_bytes, check=_prepare_split_check(split_k),
-                   tol={"U": OUT_TOL, "stats": STATS_TOL}, tiny=TINY, quick=True)
     layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled}
     for i, size in enumerate(SHAPES[:2]):
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,

@@ -35,11 +35,8 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    yield dict(block_t=64, num_warps=8, per_sm=1), None
-    # the ticketed split-K kernel: (split_k, block_t, num_warps, per_sm)
-    for split_k, block_t, warps, per_sm in ((16, 64, 8, 1), (16, 32, 4, 2), (32, 64, 8, 1), (8, 64, 8, 1),
-                                            (16, 64, 8, 2), (32, 32, 4, 2), (16, 128, 8, 1)):
-        yield dict(split_k=split_k, block_t=block_t, num_warps=warps, per_sm=per_sm, num_stages=3), None
+    for block_t, warps, per_sm in ((64, 8, None), (128, 8, 1), (64, 8, 1), (256, 8, None)):
+        yield dict(block_t=block_t, num_warps=warps, per_sm=per_sm), None
 
 
 def _backward_prepare_variants():
@@ -56,10 +53,8 @@ def _backward_finish_variants():
         yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
     for block_t, block_c, per_sm in ((16, 128, 2), (8, 64, 4)):
         yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_block_c=block_c, dlogits_per_sm=per_sm)), None
-    # kernels A and B fused by tickets: (split_k, per_sm, warps, block_c)
-    for split_k, per_sm, warps, block_c in ((16, 2, 4, 64), (16, 1, 8, 64), (8, 2, 4, 64), (32, 2, 4, 64),
-                                            (16, 4, 4, 32), (16, 2, 4, 32)):
-        yield dict(config=FinishConfig(split_k=split_k, per_sm=per_sm, warps=warps, block_c=block_c)), None
+    for block_t, block_c, per_sm in ((64, 256, 1), (128, 256, 2), (64, 128, 2)):
+        yield dict(config=FinishConfig(dfn_block_t=block_t, dfn_block_c=block_c, dfn_per_sm=per_sm)), None
 
 
 def _head_backward_variants():
