@@ -48,15 +48,16 @@ class _Progress:
         self.total, self.label, self.n, self.t0 = total, label, 0, time.time()
         try:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=label, unit="step")
+            self.bar = tqdm(total=total, desc=label, unit="step", mininterval=0.5)
         except ImportError:
             self.bar = None
 
     def update(self, loss: float) -> None:
         self.n += 1
         if self.bar is not None:
+            # no forced refresh: tqdm redraws at most every mininterval seconds, so a log file is not flooded
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
         elif self.n % max(1, self.total // 50) == 0 or self.n == self.total:
             done = int(30 * self.n / self.total)
             sys.stdout.write(f"\r{self.label} [{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} "
