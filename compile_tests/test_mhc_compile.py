@@ -7,6 +7,7 @@ from expecttest import assert_expected_inline
 
 from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_head, cake_mhc_train_prepare
 from cakeops.meta import mhc as fake
+from cakeops.meta.mhc_layout import GRAD_STATS_WIDTH
 from cakeops.reference import mhc as reference
 from conftest import DEVICE
 from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
@@ -137,3 +138,29 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, getitem_1, detach,
     getitem_8 = mhc_backward_finish[2]
     getitem_9 = mhc_backward_finish[3];  mhc_backward_finish = None
     return (getitem_6, getitem_7, getitem_8, getitem_9)""")
+
+
+@pytest.mark.parametrize("T", [0, 1, 300])
+def test_edges_hold_and_write_one_element(T):
+    """The edges are zero-stride views of one zeroed element, and making them writes that element only: a
+    zero_() over the [T, n, C] shape would touch T*n*C positions (a 268M-element fill per layer at C = 4096)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                self.sizes.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    X = torch.randn(T, N, 64, device=DEVICE, dtype=torch.bfloat16)
+    with Writes() as log:
+        e_dy, e_gs = fake.edges(X)
+    assert all(size <= 1 for size in log.sizes), log.sizes
+    assert e_dy.shape == X.shape and e_gs.shape == (T, GRAD_STATS_WIDTH)
+    for e in (e_dy, e_gs):
+        assert set(e.stride()) == {0} and e.untyped_storage().nbytes() <= e.element_size()
+        assert torch.count_nonzero(e) == 0
