@@ -17,7 +17,7 @@ by B. dfn is a third read of X: accumulating it in B instead (dz^T @ x per token
 registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best on
 an H200 (T=16384, C=4096, bf16) against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
 Fusing A into B through tickets (column slices of a token block, the last slice to arrive runs A's per-block
-math, dX re-read from L2; deadlock-free, tested) measured slower: 1.39 ms at best against 1.00 ms (git history,
+math, dX re-read from L2; deadlock-free, tested) measured slower: 1.39 ms at best against 1.00 ms (commit a775c8e,
 2026-11-29); the fused kernel needs 175-242 registers.
 """
 from dataclasses import dataclass
