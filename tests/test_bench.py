@@ -150,3 +150,20 @@ def test_plot_writes_a_png(tmp_path):
     rows = [_row("a fwd", 0.5, {"torch eager": 2.0, "torch.compile": None}, {"y": 1e-3})]
     png = plot.bandwidth_plot(tmp_path / "bench.png", rows, 16.0)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer_profile_lists_the_layer_ops_and_writes_a_trace(tmp_path, capsys):
+    from cakeops.bench import profile
+
+    assert profile.main(["--T", "5", "--C", "8", "--steps", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "layer_profile.json").read_text())
+    names = [r["name"] for r in data["rows"]]
+    # the eager Functions of both nodes ran, forward and backward, once per step
+    for node in ("CakeMHCTrainPrepareFunction", "CakeMHCTrainFinishFunctionBackward"):
+        assert node in names and node in out
+        assert next(r for r in data["rows"] if r["name"] == node)["calls_per_step"] == 1
+    assert data["wall_us_per_step"] > 0 and data["listed_us_per_step"] > 0
+    assert json.loads((tmp_path / "layer_trace.json").read_text())["traceEvents"]
+    with pytest.raises(SystemExit):
+        profile.main(["--steps", "0", "--out", str(tmp_path)])
