@@ -152,6 +152,9 @@ FINISH_CASES = [
     pytest.param(1, 1, 20, "default_eps", {}, id="T1-C1-it20-default"),
     pytest.param(24, 40, 3, "large_eps", {**SMALL, "splits": 2, "dfn_splits": 2, "dlogits_block_t": 4}, id="T24-C40-it3-split"),
     pytest.param(0, 8, 20, "default_eps", {}, id="T0"),
+    # dpre in its own kernel: 3 column slices of 16 at C = 40 (the last one partial), token blocks past T
+    pytest.param(13, 40, 20, "large_eps", {"dpre_slices": 3, "dpre_block_c": 16, "dpre_block_t": 8},
+                 id="T13-C40-it20-large-dpre3"),
 ]
 
 
@@ -198,7 +201,7 @@ def test_kernels_match_autograd_of_layer(triton_kernels, gen, dtype, iters, eps)
 # Reductions: determinism, atomics, accumulation
 # ------------------------------------------------------------------------------------------------
 
-SPLIT = K.FinishConfig(**SMALL, splits=2, dfn_splits=2, dlogits_block_t=4)
+SPLIT = K.FinishConfig(**SMALL, splits=2, dfn_splits=2, dlogits_block_t=4, dpre_slices=2, dpre_block_c=16)
 
 
 def test_deterministic_is_bitwise_and_atomics_close(triton_kernels, gen):

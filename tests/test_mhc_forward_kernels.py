@@ -91,6 +91,11 @@ PREPARE_CASES = [
     pytest.param(1, 8, 20, "default_eps", {}, id="T1-C8-it20-default"),
     pytest.param(40, 8, 3, "large_eps", {"block_t": 8, "per_sm": 1}, id="T40-C8-it3-large-persistent"),
     pytest.param(0, 8, 20, "default_eps", {}, id="T0"),
+    # two kernels: pass 1 split over column slices (a partial slice at C=100), pass 2 on its own token blocks
+    pytest.param(17, 100, 20, "large_eps", {"slices": 3, "block_t": 16, "block_c": 16, "finalize_block_t": 8,
+                                            "finalize_block_c": 32}, id="T17-C100-it20-large-split3"),
+    pytest.param(40, 8, 3, "default_eps", {"slices": 1, "block_t": 16, "finalize_block_t": 16},
+                 id="T40-C8-it3-default-split1"),
 ]
 
 
@@ -106,7 +111,10 @@ def test_prepare_matches_reference(triton_kernels, gen, dtype, T, C, iters, eps,
     assert U.dtype == X.dtype and rel_err(U, U_ref) <= out_tol(dtype)
 
 
-@pytest.mark.parametrize("T, C, iters, config", [(17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "per_sm": 1})])
+@pytest.mark.parametrize("T, C, iters, config", [
+    (17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "per_sm": 1}),
+    (17, 100, 20, {"slices": 2, "block_t": 16, "block_c": 16, "finalize_block_t": 8}),
+])
 def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config):
     X, fn, scale, base = make_inputs(gen, T, C, torch.bfloat16)
     _, stats = run_prepare(X, fn, scale, base, 0.5, 0.05, iters, **config)

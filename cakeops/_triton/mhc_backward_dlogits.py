@@ -168,12 +168,28 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
 
 
 @triton.jit
+def _dpre_kernel(X, DU, DPRE, T, C, cols, stride_xt, stride_xi, stride_ut,
+                 N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The dpre pass on its own, program (token block, column slice): partial dpre into DPRE [slices, T, N].
+    Kernel A then only sums the slices, so its Sinkhorn work no longer sits between two streaming phases."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    c_lo = tl.program_id(1) * cols
+    dpre = _collapse_backward(X, DU, t.to(tl.int64), t_ok, c_lo, tl.minimum(C, c_lo + cols), stride_xt, stride_xi,
+                              stride_ut, N, BLOCK_T, BLOCK_C)
+    j = tl.arange(0, N)
+    tl.store(DPRE + (tl.program_id(1) * T + t).to(tl.int64)[:, None] * N + j[None, :], dpre, mask=t_ok[:, None])
+
+
+@triton.jit
 def _dlogits_kernel(
-    X, DU, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
-    T, C, stride_xt, stride_xi, stride_ut, stride_st, stride_gt, hc_eps, iters,
-    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    X, DU, DPRE, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
+    T, C, dpre_slices, stride_xt, stride_xi, stride_ut, stride_st, stride_gt, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, SPLIT_DPRE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
-    """Kernel A (see the module docstring). Padded tokens have zero upstream gradients, hence zero dlogits."""
+    """Kernel A (see the module docstring). Padded tokens have zero upstream gradients, hence zero dlogits.
+    SPLIT_DPRE: dpre comes from _dpre_kernel's [dpre_slices, T, N] partials (summed in slice order)."""
     pid = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
     j = tl.arange(0, N)
@@ -192,7 +208,12 @@ def _dlogits_kernel(
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
-        dpre = _collapse_backward(X, DU, t64, t_ok, 0, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
+        if SPLIT_DPRE:
+            dpre = tl.zeros([BLOCK_T, N], dtype=tl.float32)
+            for s in range(dpre_slices):
+                dpre += tl.load(DPRE + (s * T + t64)[:, None] * N + j[None, :], mask=t_ok[:, None], other=0.0)
+        else:
+            dpre = _collapse_backward(X, DU, t64, t_ok, 0, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
         dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res = _dlogits_block(
             dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
             base_pre, base_post, base_res, hc_eps, iters, scr, N, M_PAD, STEP)

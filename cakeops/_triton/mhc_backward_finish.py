@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..meta import mhc_layout as layout
 from .launch import persistent_programs
-from .mhc_backward_dlogits import M_PAD, _dlogits_kernel
+from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
 from .rmsnorm import _sum_partials_kernel
 
@@ -72,6 +72,10 @@ class FinishConfig:
     dlogits_block_c: int = 128   # kernel A: columns per chunk of the dpre pass
     dlogits_warps: int = 4
     dlogits_per_sm: int = 4      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
+    dpre_slices: int = 0         # >0: the dpre pass in its own kernel, over this many column slices; 0: inside A
+    dpre_block_t: int = 16       # dpre kernel: tokens per program
+    dpre_block_c: int = 128      # dpre kernel: columns per chunk
+    dpre_warps: int = 4
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4
@@ -111,8 +115,9 @@ class _Plan(NamedTuple):
     dlogits_block_c: int
     dx: _Split
     dfn: _Split
+    dpre_cols: int        # columns per slice of the dpre kernel (0: no dpre kernel)
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
-    # dfn partials [splits, M, K] (deterministic only)
+    # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n] (dpre kernel only)
     sizes: tuple
 
 
@@ -122,9 +127,11 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     a_block_c = max(16, min(cfg.dlogits_block_c, triton.next_power_of_2(C)))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
+    dpre_block_c = max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C)))
+    dpre_cols = triton.cdiv(triton.cdiv(C, cfg.dpre_slices), dpre_block_c) * dpre_block_c if cfg.dpre_slices else 0
     sizes = (T * M_PAD, a_programs * 2 * M_PAD, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             dfn.splits * M * n * C if deterministic else 0)
-    return _Plan(a_programs, a_block_c, dx, dfn, sizes)
+             dfn.splits * M * n * C if deterministic else 0, triton.cdiv(C, dpre_cols) * T * n if dpre_cols else 0)
+    return _Plan(a_programs, a_block_c, dx, dfn, dpre_cols, sizes)
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
@@ -176,18 +183,25 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     need = sum(plan.sizes)
     if workspace is None or workspace.numel() < need:
         workspace = torch.empty(need, dtype=torch.float32, device=X.device)
-    dz, part, scratch, dfn_part = torch.split(workspace[:need], plan.sizes)
+    dz, part, scratch, dfn_part, dpre = torch.split(workspace[:need], plan.sizes)
     atomic = not deterministic
     if atomic and not accumulate:
         for g in (dfn, dscale, dbase):
             g.zero_()
     precision = cfg.input_precision or _precision(X.dtype)
+    dpre_slices = triton.cdiv(C, plan.dpre_cols) if plan.dpre_cols else 0
+    if dpre_slices:
+        _dpre_kernel[(triton.cdiv(T, cfg.dpre_block_t), dpre_slices)](
+            X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
+            N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C))),
+            num_warps=cfg.dpre_warps,
+        )
     _dlogits_kernel[(plan.dlogits_programs,)](
-        X, dU, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
-        T, C, X.stride(0), X.stride(1), dU.stride(0), stats.stride(0), grad_stats.stride(0),
+        X, dU, dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
+        T, C, dpre_slices, X.stride(0), X.stride(1), dU.stride(0), stats.stride(0), grad_stats.stride(0),
         float(hc_eps), int(sinkhorn_iters),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, BLOCK_C=plan.dlogits_block_c,
-        num_warps=cfg.dlogits_warps,
+        N=n, M_PAD=M_PAD, ATOMIC=atomic, SPLIT_DPRE=dpre_slices > 0, BLOCK_T=cfg.dlogits_block_t,
+        BLOCK_C=plan.dlogits_block_c, num_warps=cfg.dlogits_warps,
     )
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,

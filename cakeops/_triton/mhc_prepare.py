@@ -166,6 +166,47 @@ def _prepare_kernel(
                        PRECISION)
 
 
+@triton.jit
+def _project_kernel(
+    X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
+    N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Split pass 1, program (token block, column slice): the slice's projection and sum of squares into
+    PART [slices, T, M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
+    M = 2 * N + N * N
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    c_lo = tl.program_id(1) * cols
+    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
+                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
+    offs_m = tl.arange(0, M_PAD)
+    row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
+    tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc), mask=t_ok[:, None])
+
+
+@triton.jit
+def _finalize_kernel(
+    X, PART, SCALE, BASE, STATS, U, slices,
+    T, C, stride_xt, stride_xi, stride_ut, rms_eps, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, WRITE_U: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Split pass 2, one token block: the slices' partials summed in slice order (deterministic), then the
+    stats rows and the collapse exactly as the one-kernel path."""
+    M = 2 * N + N * N
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    offs_m = tl.arange(0, M_PAD)
+    acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
+    for s in range(slices):
+        acc += tl.load(PART + (s * T + t).to(tl.int64)[:, None] * M_PAD + offs_m[None, :], mask=t_ok[:, None],
+                       other=0.0)
+    sum_sq = tl.sum(tl.where(offs_m[None, :] == M, acc, 0.0), axis=1)
+    acc = tl.where(offs_m[None, :] < M, acc, 0.0)
+    _finalize_block(X, SCALE, BASE, STATS, U, acc, sum_sq, t, t_ok, C, stride_xt, stride_xi, stride_ut, rms_eps,
+                    hc_eps, iters, N, M_PAD, WRITE_U, BLOCK_T, BLOCK_C)
+
+
 def _prepare_config(X: torch.Tensor, T: int, C: int):
     """Default (BLOCK_T, BLOCK_C, num_warps, num_stages) of prepare.
 
@@ -187,12 +228,15 @@ def _prepare_config(X: torch.Tensor, T: int, C: int):
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, per_sm: Optional[int] = None) -> None:
+            num_stages: Optional[int] = None, per_sm: Optional[int] = None, slices: Optional[int] = None,
+            finalize_block_t: int = 16, finalize_block_c: int = 64, finalize_warps: int = 4) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
-    U=None is forward_stats: the same kernel with the collapse pass compiled out. Tile parameters left
+    U=None is forward_stats: the same kernels with the collapse pass compiled out. Tile parameters left
     None take the defaults of ``_prepare_config``. ``per_sm``: a persistent grid of that many programs per
-    multiprocessor instead of one program per token block.
+    multiprocessor instead of one program per token block. ``slices``: two kernels instead of one, pass 1
+    split over that many column slices of every token block (partials in a [slices, T, 32] FP32 buffer),
+    pass 2 (partials summed in order, gates, collapse) on blocks of ``finalize_block_t`` tokens.
     """
     T, n, C = X.shape
     if T == 0:
@@ -207,15 +251,31 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     num_stages = num_stages or d_s
     extra = {} if num_stages is None else {"num_stages": num_stages}
     u = U if U is not None else stats  # a placeholder pointer: never touched without WRITE_U
-    blocks = triton.cdiv(T, block_t)
-    programs = blocks if per_sm is None else persistent_programs(X.device, blocks, per_sm)
-    _prepare_kernel[(programs,)](
-        X, fn, scale, base, stats, u,
-        T, C, X.stride(0), X.stride(1), fn.stride(0), u.stride(0),
-        float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        N=n, M_PAD=max(16, triton.next_power_of_2(M)), WRITE_U=U is not None,
-        BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16, INTERPRET=interpreting(),
+    m_pad = max(16, triton.next_power_of_2(M))
+    precision = dict(
+        SPLIT_BF16=X.dtype == torch.bfloat16, INTERPRET=interpreting(),
         # fp32 X: three-pass TF32, near-fp32 projection (SPEC §5's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, **extra,
+    )
+    blocks = triton.cdiv(T, block_t)
+    hp = (float(rms_eps), float(hc_eps), int(sinkhorn_iters))
+    if slices is None:
+        programs = blocks if per_sm is None else persistent_programs(X.device, blocks, per_sm)
+        _prepare_kernel[(programs,)](
+            X, fn, scale, base, stats, u, T, C, X.stride(0), X.stride(1), fn.stride(0), u.stride(0), *hp,
+            N=n, M_PAD=m_pad, WRITE_U=U is not None, BLOCK_T=block_t, BLOCK_C=block_c, **precision,
+            num_warps=num_warps, **extra,
+        )
+        return
+    assert m_pad > M  # column M of a partial row carries the sum of squares
+    cols = triton.cdiv(triton.cdiv(C, slices), block_c) * block_c
+    part = torch.empty(triton.cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
+    _project_kernel[(blocks, part.shape[0])](
+        X, fn, part, T, C, cols, X.stride(0), X.stride(1), fn.stride(0),
+        N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, **precision, num_warps=num_warps, **extra,
+    )
+    _finalize_kernel[(triton.cdiv(T, finalize_block_t),)](
+        X, part, scale, base, stats, u, part.shape[0], T, C, X.stride(0), X.stride(1), u.stride(0), *hp,
+        N=n, M_PAD=m_pad, WRITE_U=U is not None, BLOCK_T=finalize_block_t,
+        BLOCK_C=max(16, min(finalize_block_c, triton.next_power_of_2(C))), num_warps=finalize_warps,
     )

@@ -35,8 +35,14 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    for block_t, warps, per_sm in ((64, 8, None), (128, 8, 1), (64, 8, 1), (256, 8, None)):
-        yield dict(block_t=block_t, num_warps=warps, per_sm=per_sm), None
+    # two kernels: pass 1 over column slices (slices, block_t, warps, stages), pass 2 at 16 x 64, 4 warps
+    for slices, block_t, warps, stages in ((1, 128, 8, 3), (2, 128, 8, 3), (4, 128, 8, 3), (8, 128, 8, 3),
+                                           (4, 64, 4, 3), (4, 256, 8, 3), (2, 128, 4, 4), (4, 128, 8, 2)):
+        yield dict(slices=slices, block_t=block_t, num_warps=warps, num_stages=stages), None
+    # pass 2 shapes behind pass 1 at 4 slices
+    for fin_t, fin_c, fin_w in ((8, 128, 4), (16, 128, 4), (32, 64, 4), (16, 256, 8), (32, 128, 8), (8, 64, 2)):
+        yield dict(slices=4, block_t=128, num_warps=8, num_stages=3, finalize_block_t=fin_t,
+                   finalize_block_c=fin_c, finalize_warps=fin_w), None
 
 
 def _backward_prepare_variants():
@@ -49,18 +55,38 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    for block_t, block_c, warps, per_sm in ((16, 64, 4, 6), (16, 64, 4, 8), (16, 128, 8, 4)):
-        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
-    for block_t, block_c, per_sm in ((16, 128, 2), (8, 64, 4)):
-        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_block_c=block_c, dlogits_per_sm=per_sm)), None
-    for block_t, block_c, per_sm in ((64, 256, 1), (128, 256, 2), (64, 128, 2)):
-        yield dict(config=FinishConfig(dfn_block_t=block_t, dfn_block_c=block_c, dfn_per_sm=per_sm)), None
+    # dpre in its own kernel: (slices, tokens, columns, warps) of it, kernel A as configured
+    for slices, block_t, block_c, warps in ((1, 16, 128, 4), (1, 8, 128, 4), (1, 32, 128, 4), (1, 16, 256, 8),
+                                            (2, 16, 128, 4), (4, 16, 128, 4), (1, 32, 64, 8)):
+        yield dict(config=FinishConfig(dpre_slices=slices, dpre_block_t=block_t, dpre_block_c=block_c,
+                                       dpre_warps=warps)), None
+    # kernel A without its streaming phase: (tokens, programs per SM)
+    for block_t, per_sm in ((16, 4), (32, 2), (16, 8), (4, 8)):
+        yield dict(config=FinishConfig(dpre_slices=1, dlogits_block_t=block_t, dlogits_per_sm=per_sm)), None
+    for block_t, block_c, warps, per_sm in ((16, 64, 4, 6), (16, 128, 8, 4)):
+        yield dict(config=FinishConfig(dpre_slices=1, block_t=block_t, block_c=block_c, warps=warps,
+                                       per_sm=per_sm)), None
 
 
 def _head_backward_variants():
     yield {}, "default"
     for block_c in (512, 1024, 4096):
         yield dict(block_c=block_c), None
+
+
+def kernel_us(call, reps: int = 5) -> str:
+    """GPU time per call of each kernel `call` launches (torch.profiler), e.g. "_dpre_kernel 171 | ..."."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .profile import _self_time_us
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    times = [(e.key, _self_time_us(e, True) / reps) for e in prof.key_averages()]
+    return " | ".join(f"{name[:28]} {us:.0f}" for name, us in sorted(times, key=lambda r: -r[1]) if us > 0.5)
 
 
 def _label(kw):
@@ -121,12 +147,14 @@ def sweep(op, device, inputs):
                 reference = [t.clone() for t in outs]
             err = max(rel_err(o, r) for o, r in zip(outs, reference))
             ms = median_ms(call)
-            rows.append({"op": op, "variant": name or _label(kw), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err})
+            rows.append({"op": op, "variant": name or _label(kw), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err,
+                         "kernels_us": kernel_us(call)})
         except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported, not fatal
             rows.append({"op": op, "variant": name or _label(kw), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
         r = rows[-1]
         print(f"{op:17s} {r['variant']:70s} " + (f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}"
-                                                 if "ms" in r else r["error"]), flush=True)
+                                                 f"\n{'':19s}us: {r['kernels_us']}" if "ms" in r else r["error"]),
+              flush=True)
     return rows
 
 
