@@ -96,6 +96,10 @@ PREPARE_CASES = [
                                             "finalize_block_c": 32}, id="T17-C100-it20-large-split3"),
     pytest.param(40, 8, 3, "default_eps", {"slices": 1, "block_t": 16, "finalize_block_t": 16},
                  id="T40-C8-it3-default-split1"),
+    # stats kernel, then the collapse as a stream kernel (several column blocks at C = 100)
+    pytest.param(17, 100, 20, "large_eps", {"separate_collapse": True, "block_t": 8, "collapse_block_c": 32},
+                 id="T17-C100-it20-large-separate"),
+    pytest.param(0, 8, 20, "default_eps", {"separate_collapse": True}, id="T0-separate"),
 ]
 
 
@@ -114,6 +118,7 @@ def test_prepare_matches_reference(triton_kernels, gen, dtype, T, C, iters, eps,
 @pytest.mark.parametrize("T, C, iters, config", [
     (17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "per_sm": 1}),
     (17, 100, 20, {"slices": 2, "block_t": 16, "block_c": 16, "finalize_block_t": 8}),
+    (17, 100, 20, {"separate_collapse": True, "collapse_block_c": 64}),
 ])
 def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config):
     X, fn, scale, base = make_inputs(gen, T, C, torch.bfloat16)

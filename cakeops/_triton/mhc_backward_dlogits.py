@@ -88,12 +88,19 @@ def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
         tl.store(scr + 2 * k * STEP, p)
         p = _normalize(p, 1, hc_eps)
     tl.debug_barrier()  # the iterates are visible to every thread
+    # Each reverse step loads its two iterates one step ahead: the loads do not depend on dp, so their
+    # latency hides behind the previous step's arithmetic instead of stalling every step.
     dp = dcomb
+    p_col = tl.load(scr + 2 * (iters - 1) * STEP)
+    p_row = tl.load(scr + tl.maximum(2 * iters - 3, 0) * STEP)
     for r in range(1, iters):
-        k = iters - r
-        dp = _normalize_backward(dp, tl.load(scr + 2 * k * STEP), 1, hc_eps)
-        dp = _normalize_backward(dp, tl.load(scr + (2 * k - 1) * STEP), 2, hc_eps)
-    dp = _normalize_backward(dp, tl.load(scr), 1, hc_eps)
+        k = iters - r - 1
+        col, row = p_col, p_row
+        p_col = tl.load(scr + 2 * k * STEP)
+        p_row = tl.load(scr + tl.maximum(2 * k - 1, 0) * STEP)
+        dp = _normalize_backward(dp, col, 1, hc_eps)
+        dp = _normalize_backward(dp, row, 2, hc_eps)
+    dp = _normalize_backward(dp, p_col, 1, hc_eps)  # p_col is the first iterate here (scr + 0)
     # P0 = softmax(a) + eps: the eps has gradient one, then the row softmax.
     return s * (dp - tl.sum(dp * s, axis=2)[:, :, None])
 

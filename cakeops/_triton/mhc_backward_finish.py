@@ -224,4 +224,4 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             num_warps=4,
         )
         _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
-                                    ACCUMULATE=accumulate, BLOCK_P=32, num_warps=4)
+                                    ACCUMULATE=accumulate, BLOCK_P=256, num_warps=8)

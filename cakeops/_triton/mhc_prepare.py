@@ -19,6 +19,7 @@ from .mhc_columns import (
 )
 from .._backend import interpreting
 from .launch import persistent_programs
+from .mhc_streams import collapse
 
 
 @triton.jit
@@ -229,7 +230,8 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
             num_stages: Optional[int] = None, per_sm: Optional[int] = None, slices: Optional[int] = None,
-            finalize_block_t: int = 16, finalize_block_c: int = 64, finalize_warps: int = 4) -> None:
+            finalize_block_t: int = 16, finalize_block_c: int = 64, finalize_warps: int = 4,
+            separate_collapse: Optional[bool] = None, collapse_block_c: Optional[int] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats: the same kernels with the collapse pass compiled out. Tile parameters left
@@ -237,6 +239,8 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     multiprocessor instead of one program per token block. ``slices``: two kernels instead of one, pass 1
     split over that many column slices of every token block (partials in a [slices, T, 32] FP32 buffer),
     pass 2 (partials summed in order, gates, collapse) on blocks of ``finalize_block_t`` tokens.
+    ``separate_collapse``: the stats kernel (forward_stats), then U in a one-pass stream kernel
+    (mhc_streams.collapse, ``collapse_block_c`` columns per program) instead of pass 2 inside the kernel.
     """
     T, n, C = X.shape
     if T == 0:
@@ -259,6 +263,14 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     )
     blocks = triton.cdiv(T, block_t)
     hp = (float(rms_eps), float(hc_eps), int(sinkhorn_iters))
+    if separate_collapse is None:
+        separate_collapse = False
+    if separate_collapse and U is not None:
+        prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, stats, None, block_t=block_t, block_c=block_c,
+                num_warps=num_warps, num_stages=num_stages, per_sm=per_sm, slices=slices,
+                finalize_block_t=finalize_block_t, finalize_block_c=finalize_block_c, finalize_warps=finalize_warps)
+        collapse(X, stats, U, block_c=collapse_block_c)
+        return
     if slices is None:
         programs = blocks if per_sm is None else persistent_programs(X.device, blocks, per_sm)
         _prepare_kernel[(programs,)](

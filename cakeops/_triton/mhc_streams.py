@@ -1,6 +1,6 @@
-"""mHC one-pass stream kernels: forward_finish (mix the streams back with the branch output) and the head
-(the model's final collapse) with its backward. Memory-bound: one program per (token, C block), 16-byte
-accesses, the per-token coefficients (post, comb = 20 floats) read from the stats record.
+"""mHC one-pass stream kernels: forward_finish (mix the streams back with the branch output), forward_prepare's
+collapse U, and the head (the model's final collapse) with its backward. Memory-bound: one program per
+(token, C block), 16-byte accesses, the per-token coefficients (pre, post, comb) read from the stats record.
 
 FP32 inside, streams summed in order, every output rounded once. Launchers do no argument validation;
 X / Y / dX are [T, n, C] with unit stride along C and any token / stream strides.
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mhc_columns import POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
+from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
 
 
 @triton.jit
@@ -35,21 +35,31 @@ def _finish_kernel(
 
 
 @triton.jit
-def _head_forward_kernel(X, Y, C, stride_xt, stride_xi, stride_yt, N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Y = (((0 + X0) + X1) + X2) + X3) / n: the order and the one rounding of X.mean(dim=1)."""
+def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt,
+                     N: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """WEIGHTED: Y = sum_i pre_i * X_i, pre from the stats record (forward_prepare's collapse U); else the
+    head, Y = (((0 + X0) + X1) + X2) + X3) / n: the order and the one rounding of X.mean(dim=1)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(N):
-        acc += tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-    tl.store(Y + t * stride_yt + c, tl.div_rn(acc, N * 1.0).to(Y.dtype.element_ty), mask=c_ok)
+        x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            acc += tl.load(STATS + t * _STATS_WIDTH + _PRE + i) * x
+        else:
+            acc += x
+    if not WEIGHTED:
+        acc = tl.div_rn(acc, N * 1.0)
+    tl.store(Y + t * stride_yt + c, acc.to(Y.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit
 def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi,
-                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating."""
+                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr,
+                          STORE_CACHE: tl.constexpr):
+    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating. STORE_CACHE: the
+    store's cache modifier ("" = default; ".cs" streams the 4x larger output past the caches)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -61,7 +71,7 @@ def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi,
         dx = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + g[None, :]
     else:
         dx = tl.broadcast_to(g[None, :], [N, BLOCK_C])
-    tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=mask, cache_modifier=STORE_CACHE)
 
 
 def _stream_block(C: int, block_c: Optional[int]):
@@ -88,17 +98,29 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
 
 def head_forward(X: torch.Tensor, Y: torch.Tensor, *, block_c: Optional[int] = None) -> None:
     """Y[t, c] = round((((X0 + X1) + X2) + X3) / n), summed in FP32 from zero: bitwise X.mean(dim=1) on a GPU."""
+    _collapse(X, None, Y, block_c)
+
+
+def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, *, block_c: Optional[int] = None) -> None:
+    """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre from the stats record."""
+    assert stats.is_contiguous()
+    _collapse(X, stats, U, block_c)
+
+
+def _collapse(X, stats, Y, block_c):
     T, n, C = X.shape
     if T == 0:
         return
     assert X.stride(2) == 1 and Y.stride(1) == 1
     block_c, warps = _stream_block(C, block_c)
-    _head_forward_kernel[(T, triton.cdiv(C, block_c))](
-        X, Y, C, X.stride(0), X.stride(1), Y.stride(0), N=n, BLOCK_C=block_c, num_warps=warps,
+    _collapse_kernel[(T, triton.cdiv(C, block_c))](
+        X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0),
+        N=n, WEIGHTED=stats is not None, BLOCK_C=block_c, num_warps=warps,
     )
 
 
-def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None) -> None:
+def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None,
+                  store_cache: str = "") -> None:
     """dX[t, i, c] = round(dY[t, c] / n); with accumulate, dX = round(dX + dY / n) in FP32."""
     T, n, C = dX.shape
     if T == 0:
@@ -107,5 +129,5 @@ def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block
     block_c, warps = _stream_block(C, block_c)
     _head_backward_kernel[(T, triton.cdiv(C, block_c))](
         dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1),
-        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, num_warps=warps,
+        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, STORE_CACHE=store_cache, num_warps=warps,
     )

@@ -35,14 +35,14 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    # two kernels: pass 1 over column slices (slices, block_t, warps, stages), pass 2 at 16 x 64, 4 warps
-    for slices, block_t, warps, stages in ((1, 128, 8, 3), (2, 128, 8, 3), (4, 128, 8, 3), (8, 128, 8, 3),
-                                           (4, 64, 4, 3), (4, 256, 8, 3), (2, 128, 4, 4), (4, 128, 8, 2)):
-        yield dict(slices=slices, block_t=block_t, num_warps=warps, num_stages=stages), None
-    # pass 2 shapes behind pass 1 at 4 slices
-    for fin_t, fin_c, fin_w in ((8, 128, 4), (16, 128, 4), (32, 64, 4), (16, 256, 8), (32, 128, 8), (8, 64, 2)):
-        yield dict(slices=4, block_t=128, num_warps=8, num_stages=3, finalize_block_t=fin_t,
-                   finalize_block_c=fin_c, finalize_warps=fin_w), None
+    yield dict(slices=4, block_t=128, num_warps=8, num_stages=3, finalize_block_t=16, finalize_block_c=256,
+               finalize_warps=8), None
+    # the stats kernel, then the collapse as a stream kernel: (block_t, block_c, warps, stages) of the stats kernel
+    for block_t, block_c, warps, stages in ((128, 64, 8, 3), (128, 32, 8, 4), (128, 32, 8, 5), (128, 128, 8, 2),
+                                            (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4)):
+        yield dict(separate_collapse=True, block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages), None
+    for collapse_block_c in (1024, 4096):
+        yield dict(separate_collapse=True, collapse_block_c=collapse_block_c), None
 
 
 def _backward_prepare_variants():
@@ -55,23 +55,22 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    # dpre in its own kernel: (slices, tokens, columns, warps) of it, kernel A as configured
-    for slices, block_t, block_c, warps in ((1, 16, 128, 4), (1, 8, 128, 4), (1, 32, 128, 4), (1, 16, 256, 8),
-                                            (2, 16, 128, 4), (4, 16, 128, 4), (1, 32, 64, 8)):
-        yield dict(config=FinishConfig(dpre_slices=slices, dpre_block_t=block_t, dpre_block_c=block_c,
+    # dpre in its own kernel (tokens, columns, warps of it), kernel A as configured or without its streaming phase
+    for block_t, block_c, warps in ((32, 128, 4), (64, 128, 8), (32, 256, 8)):
+        yield dict(config=FinishConfig(dpre_slices=1, dpre_block_t=block_t, dpre_block_c=block_c,
                                        dpre_warps=warps)), None
-    # kernel A without its streaming phase: (tokens, programs per SM)
-    for block_t, per_sm in ((16, 4), (32, 2), (16, 8), (4, 8)):
-        yield dict(config=FinishConfig(dpre_slices=1, dlogits_block_t=block_t, dlogits_per_sm=per_sm)), None
-    for block_t, block_c, warps, per_sm in ((16, 64, 4, 6), (16, 128, 8, 4)):
-        yield dict(config=FinishConfig(dpre_slices=1, block_t=block_t, block_c=block_c, warps=warps,
-                                       per_sm=per_sm)), None
+    for block_t, per_sm, warps in ((8, 4, 2), (8, 4, 1), (16, 4, 2), (8, 8, 1), (4, 8, 1)):
+        yield dict(config=FinishConfig(dpre_slices=1, dpre_block_t=32, dlogits_block_t=block_t,
+                                       dlogits_per_sm=per_sm, dlogits_warps=warps)), None
+    for per_sm, block_t, stages in ((3, 16, 2), (2, 16, 2), (3, 16, 3), (3, 32, 2)):
+        yield dict(config=FinishConfig(per_sm=per_sm, block_t=block_t, stages=stages)), None
 
 
 def _head_backward_variants():
     yield {}, "default"
-    for block_c in (512, 1024, 4096):
-        yield dict(block_c=block_c), None
+    for block_c in (1024, 2048, 4096):
+        yield dict(block_c=block_c, store_cache=".cs"), None
+    yield dict(store_cache=".cg"), None
 
 
 def kernel_us(call, reps: int = 5) -> str:
