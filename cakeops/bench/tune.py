@@ -37,12 +37,12 @@ def _prepare_variants():
     yield {}, "default"
     yield dict(slices=4, block_t=128, num_warps=8, num_stages=3, finalize_block_t=16, finalize_block_c=256,
                finalize_warps=8), None
-    # the stats kernel, then the collapse as a stream kernel: (block_t, block_c, warps, stages) of the stats kernel
-    for block_t, block_c, warps, stages in ((128, 64, 8, 3), (128, 32, 8, 4), (128, 32, 8, 5), (128, 128, 8, 2),
-                                            (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4)):
-        yield dict(separate_collapse=True, block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages), None
-    for collapse_block_c in (1024, 4096):
-        yield dict(separate_collapse=True, collapse_block_c=collapse_block_c), None
+    yield dict(separate_collapse=True), None
+    # three kernels: projection (slices, block_t), gates (finalize_block_t, warps), collapse stream
+    for slices, block_t, fin_t, fin_w in ((1, 128, 32, 4), (1, 128, 16, 4), (1, 128, 64, 4), (1, 128, 32, 2),
+                                          (2, 128, 32, 4), (1, 128, 8, 1)):
+        yield dict(separate_collapse=True, slices=slices, block_t=block_t, num_warps=8, num_stages=3,
+                   finalize_block_t=fin_t, finalize_warps=fin_w), None
 
 
 def _backward_prepare_variants():
