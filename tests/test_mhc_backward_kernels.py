@@ -144,7 +144,7 @@ def test_backward_prepare_matches_reference(triton_kernels, gen, dtype, T, C, bl
 
 # (T, C, iters, eps, config): every iters / eps / C / T value, tails, several C chunks and token splits.
 # small tiles: several C chunks and dfn column tiles at C = 40; with "splits" several token ranges for B and C
-SMALL = {"dlogits_block_c": 16, "block_c": 16, "block_t": 16, "dfn_block_c": 16, "dfn_block_t": 16}
+SMALL = {"dpre_block_c": 16, "block_c": 16, "block_t": 16, "dfn_block_c": 16, "dfn_block_t": 16}
 FINISH_CASES = [
     pytest.param(13, 40, 20, "large_eps", {}, id="T13-C40-it20-large"),
     pytest.param(13, 40, 3, "default_eps", {}, id="T13-C40-it3-default"),
@@ -201,7 +201,7 @@ def test_kernels_match_autograd_of_layer(triton_kernels, gen, dtype, iters, eps)
 # Reductions: determinism, atomics, accumulation
 # ------------------------------------------------------------------------------------------------
 
-SPLIT = K.FinishConfig(**SMALL, splits=2, dfn_splits=2, dlogits_block_t=4, dpre_slices=2, dpre_block_c=16)
+SPLIT = K.FinishConfig(**SMALL, splits=2, dfn_splits=2, dlogits_block_t=4, dpre_slices=2)
 
 
 def test_deterministic_is_bitwise_and_atomics_close(triton_kernels, gen):

@@ -85,21 +85,17 @@ def run_prepare(X, fn, scale, base, rms_eps, hc_eps, iters, with_u=True, **confi
 # (T, C, sinkhorn_iters, eps, launcher config): tails in T and C, one and many C chunks, every iters bound.
 PREPARE_CASES = [
     pytest.param(17, 100, 20, "large_eps", {}, id="T17-C100-it20-large"),
-    pytest.param(17, 100, 2, "default_eps", {"block_t": 8, "block_c": 16}, id="T17-C100-it2-default-chunked"),
+    pytest.param(17, 100, 2, "default_eps", {"block_t": 8, "block_c": 16, "collapse_block_c": 32},
+                 id="T17-C100-it2-default-chunked"),
     pytest.param(1, 1, 1, "large_eps", {}, id="T1-C1-it1-large"),
     pytest.param(17, 8, 64, "large_eps", {}, id="T17-C8-it64-large"),
     pytest.param(1, 8, 20, "default_eps", {}, id="T1-C8-it20-default"),
-    pytest.param(40, 8, 3, "large_eps", {"block_t": 8, "per_sm": 1}, id="T40-C8-it3-large-persistent"),
+    pytest.param(40, 8, 3, "large_eps", {"block_t": 8, "gates_block_t": 16, "gates_warps": 4},
+                 id="T40-C8-it3-large-gates16"),
     pytest.param(0, 8, 20, "default_eps", {}, id="T0"),
-    # two kernels: pass 1 split over column slices (a partial slice at C=100), pass 2 on its own token blocks
-    pytest.param(17, 100, 20, "large_eps", {"slices": 3, "block_t": 16, "block_c": 16, "finalize_block_t": 8,
-                                            "finalize_block_c": 32}, id="T17-C100-it20-large-split3"),
-    pytest.param(40, 8, 3, "default_eps", {"slices": 1, "block_t": 16, "finalize_block_t": 16},
-                 id="T40-C8-it3-default-split1"),
-    # stats kernel, then the collapse as a stream kernel (several column blocks at C = 100)
-    pytest.param(17, 100, 20, "large_eps", {"separate_collapse": True, "block_t": 8, "collapse_block_c": 32},
-                 id="T17-C100-it20-large-separate"),
-    pytest.param(0, 8, 20, "default_eps", {"separate_collapse": True}, id="T0-separate"),
+    # the projection split over column slices (a partial slice at C=100)
+    pytest.param(17, 100, 20, "large_eps", {"slices": 3, "block_t": 16, "block_c": 16, "gates_block_t": 4},
+                 id="T17-C100-it20-large-slices3"),
 ]
 
 
@@ -116,9 +112,8 @@ def test_prepare_matches_reference(triton_kernels, gen, dtype, T, C, iters, eps,
 
 
 @pytest.mark.parametrize("T, C, iters, config", [
-    (17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "per_sm": 1}),
-    (17, 100, 20, {"slices": 2, "block_t": 16, "block_c": 16, "finalize_block_t": 8}),
-    (17, 100, 20, {"separate_collapse": True, "collapse_block_c": 64}),
+    (17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "gates_block_t": 16}),
+    (17, 100, 20, {"slices": 2, "block_t": 16, "block_c": 16, "collapse_block_c": 64}),
 ])
 def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config):
     X, fn, scale, base = make_inputs(gen, T, C, torch.bfloat16)

@@ -1,19 +1,20 @@
-"""mHC backward_finish, kernel A: per token, the gradient of the mapping logits (dlogit [M]) and what
-kernel B (mhc_backward_finish.py) needs from it.
+"""mHC backward_finish, the dpre pass and kernel A: per token, the gradient of the mapping logits (dlogit [M])
+and what kernel B (mhc_backward_dx.py) needs from it.
 
-Persistent over blocks of BLOCK_T tokens: dpre_i = sum_c dU*X_i (one pass over X and dU), then, on
-[BLOCK_T, n] / [BLOCK_T, n, n] tiles, back through pre = sigmoid + eps, post = 2*sigmoid and the exact
-unrolled Sinkhorn to dlogit. Writes dz = rstd*dmix and s = rstd^2/K * sum_m dmix_m*mix_m to a small FP32
-workspace row per token ([T, M_PAD]: dz at 0..M-1, s at M), and sums dlogit and dlogit*mix over its tokens,
-per logit: one partial row per program (-> dbase, dscale after a fixed-order reduction), or atomics.
+``_dpre_kernel``: dpre_i = sum_c dU*X_i, one pass over X and dU, partials per column slice. Kernel A,
+persistent over blocks of BLOCK_T tokens: from dpre, on [BLOCK_T, n] / [BLOCK_T, n, n] tiles, back through
+pre = sigmoid + eps, post = 2*sigmoid and the exact unrolled Sinkhorn to dlogit. Writes dz = rstd*dmix and
+s = rstd^2/K * sum_m dmix_m*mix_m to a small FP32 workspace row per token ([T, M_PAD]: dz at 0..M-1, s at M),
+and sums dlogit and dlogit*mix over its tokens, per logit: one partial row per program (-> dbase, dscale after
+a fixed-order reduction), or atomics.
 
 Sinkhorn backward: the backward of normalization step s needs that step's input. The kernel replays the
 forward once from the logits (a = mix*scale[2] + base, mix from stats), step for step as
 mhc_prepare._sinkhorn, storing each of the 2*iters - 1 normalization inputs in a per-program FP32 scratch
 [2*iters-1, BLOCK_T, n, n], then walks the steps in reverse: exact, and linear in iters (a replay from the
 logits for every reverse step would be quadratic: ~20x the forward's work at iters=20). Persistent programs
-reuse their slot, so the scratch is programs*(2*iters-1)*BLOCK_T*64 bytes (~10 MB at iters=20 with the
-defaults on an H200) and can stay in L2: X and dU, streamed meanwhile, are loaded evict-first.
+reuse their slot, so the scratch is programs*(2*iters-1)*BLOCK_T*64 bytes (~21 MB at iters=20 with the
+defaults on an H200) and stays in the caches: nothing else streams through them meanwhile.
 """
 import triton
 import triton.language as tl
@@ -138,7 +139,7 @@ def _collapse_backward(X, DU, t64, t_ok, c_lo, c_hi, stride_xt, stride_xi, strid
 
 @triton.jit
 def _stream(x_row, i: tl.constexpr, stride_xi, c, mask):
-    """Stream i of X on a [BLOCK_T, BLOCK_C] tile, FP32 (streamed once: evict first, the scratch stays in L2)."""
+    """Stream i of X on a [BLOCK_T, BLOCK_C] tile, FP32 (streamed once: evict first)."""
     return tl.load(x_row + i * stride_xi + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
 
 
@@ -190,13 +191,12 @@ def _dpre_kernel(X, DU, DPRE, T, C, cols, stride_xt, stride_xi, stride_ut,
 
 @triton.jit
 def _dlogits_kernel(
-    X, DU, DPRE, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
-    T, C, dpre_slices, stride_xt, stride_xi, stride_ut, stride_st, stride_gt, hc_eps, iters,
-    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, SPLIT_DPRE: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    DPRE, STATS, GS, SCALE, BASE, DZ, PART, SCR, DBASE, DSCALE,
+    T, C, dpre_slices, stride_st, stride_gt, hc_eps, iters,
+    N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Kernel A (see the module docstring). Padded tokens have zero upstream gradients, hence zero dlogits.
-    SPLIT_DPRE: dpre comes from _dpre_kernel's [dpre_slices, T, N] partials (summed in slice order)."""
+    """Kernel A (see the module docstring); dpre comes from _dpre_kernel's [dpre_slices, T, N] partials, summed
+    in slice order. Padded tokens have zero upstream gradients, hence zero dlogits."""
     pid = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
     j = tl.arange(0, N)
@@ -215,12 +215,9 @@ def _dlogits_kernel(
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
-        if SPLIT_DPRE:
-            dpre = tl.zeros([BLOCK_T, N], dtype=tl.float32)
-            for s in range(dpre_slices):
-                dpre += tl.load(DPRE + (s * T + t64)[:, None] * N + j[None, :], mask=t_ok[:, None], other=0.0)
-        else:
-            dpre = _collapse_backward(X, DU, t64, t_ok, 0, C, stride_xt, stride_xi, stride_ut, N, BLOCK_T, BLOCK_C)
+        dpre = tl.zeros([BLOCK_T, N], dtype=tl.float32)
+        for s in range(dpre_slices):
+            dpre += tl.load(DPRE + (s * T + t64)[:, None] * N + j[None, :], mask=t_ok[:, None], other=0.0)
         dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res = _dlogits_block(
             dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
             base_pre, base_post, base_res, hc_eps, iters, scr, N, M_PAD, STEP)

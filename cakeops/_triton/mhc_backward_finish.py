@@ -1,10 +1,11 @@
 """mHC backward_finish kernels and launcher: the prepare node's backward (SPEC §2), after the branch's.
 
-Three launches, five when deterministic:
+Four launches, six when deterministic:
 
-* kernel A (mhc_backward_dlogits.py), per token block: dpre from one pass over X and dU, the gradient of
-  the gates and of the exact unrolled Sinkhorn, and per token dz = rstd*dmix and the scalar s into a small
-  FP32 workspace; per-program partial sums for dbase and dscale.
+* ``_dpre_kernel`` (mhc_backward_dlogits.py): dpre_i = sum_c dU * X_i, one streaming pass over X and dU.
+* kernel A (``_dlogits_kernel``), per token block: from dpre, the gradient of the gates and of the exact
+  unrolled Sinkhorn, and per token dz = rstd*dmix and the scalar s into a small FP32 workspace; per-program
+  partial sums for dbase and dscale.
 * ``_dx_kernel`` (B), grid (C chunks) x (token splits): per token block
   dX = round(pre_i*dU + sum_j comb[i,j]*dY_j + (dz @ fn)_i - x_i*s), one rounding, fn's columns of the chunk
   held for the whole token range.
@@ -12,10 +13,12 @@ Three launches, five when deterministic:
 * deterministic: the partials (per token split for dfn, per program for dbase / dscale) are summed in a
   fixed order by ``_sum_partials_kernel`` and ``_params_reduce_kernel``; otherwise added with atomics.
 
-Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read by A and again
-by B. dfn is a third read of X: accumulating it in B instead (dz^T @ x per token block, [M, K] partials in
-registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best on
-an H200 (T=16384, C=4096, bf16) against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
+Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read for dpre and again
+by B. dpre has its own kernel because A's Sinkhorn backward is latency-bound: inside the streaming kernel it
+cost 221 us against 153 (dpre, at the copy ceiling) + 44 (A) on an H200 (T=16384, C=4096, bf16).
+dfn is a third read of X: accumulating it in B instead (dz^T @ x per token block, [M, K] partials in
+registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best
+against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
 Fusing A into B through tickets (column slices of a token block, the last slice to arrive runs A's per-block
 math, dX re-read from L2; deadlock-free, tested) measured slower: 1.39 ms at best against 1.00 ms (commit a775c8e,
 2026-11-29); the fused kernel needs 175-242 registers.
@@ -68,14 +71,13 @@ def _params_reduce_kernel(PART, DBASE, DSCALE, P, N: tl.constexpr, M_PAD: tl.con
 class FinishConfig:
     """Launch shape of backward_finish. Defaults: the fastest of a sweep on an H200 (bf16, T=16384, C=4096,
     2026-11-29; docs/perf.md). ``python -m cakeops.bench.tune --ops backward_finish`` sweeps them again."""
-    dlogits_block_t: int = 8     # kernel A: tokens per block
-    dlogits_block_c: int = 128   # kernel A: columns per chunk of the dpre pass
-    dlogits_warps: int = 4
-    dlogits_per_sm: int = 4      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
-    dpre_slices: int = 0         # >0: the dpre pass in its own kernel, over this many column slices; 0: inside A
-    dpre_block_t: int = 16       # dpre kernel: tokens per program
+    dpre_slices: int = 1         # dpre kernel: column slices per token block
+    dpre_block_t: int = 32       # dpre kernel: tokens per program
     dpre_block_c: int = 128      # dpre kernel: columns per chunk
     dpre_warps: int = 4
+    dlogits_block_t: int = 8     # kernel A: tokens per block
+    dlogits_warps: int = 1
+    dlogits_per_sm: int = 8      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4
@@ -112,26 +114,25 @@ def _split(device, T: int, C: int, block_t: int, block_c: int, per_sm: int, spli
 
 class _Plan(NamedTuple):
     dlogits_programs: int
-    dlogits_block_c: int
     dx: _Split
     dfn: _Split
-    dpre_cols: int        # columns per slice of the dpre kernel (0: no dpre kernel)
+    dpre_block_c: int
+    dpre_cols: int        # columns per slice of the dpre kernel
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
-    # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n] (dpre kernel only)
+    # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n]
     sizes: tuple
 
 
 def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool, cfg: FinishConfig) -> _Plan:
     n, M = layout.N_STREAMS, layout.N_LOGITS
     a_programs = persistent_programs(device, triton.cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm)
-    a_block_c = max(16, min(cfg.dlogits_block_c, triton.next_power_of_2(C)))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C)))
-    dpre_cols = triton.cdiv(triton.cdiv(C, cfg.dpre_slices), dpre_block_c) * dpre_block_c if cfg.dpre_slices else 0
+    dpre_cols = triton.cdiv(triton.cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
     sizes = (T * M_PAD, a_programs * 2 * M_PAD, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             dfn.splits * M * n * C if deterministic else 0, triton.cdiv(C, dpre_cols) * T * n if dpre_cols else 0)
-    return _Plan(a_programs, a_block_c, dx, dfn, dpre_cols, sizes)
+             dfn.splits * M * n * C if deterministic else 0, triton.cdiv(C, dpre_cols) * T * n)
+    return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
@@ -189,20 +190,20 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         for g in (dfn, dscale, dbase):
             g.zero_()
     precision = cfg.input_precision or _precision(X.dtype)
-    dpre_slices = triton.cdiv(C, plan.dpre_cols) if plan.dpre_cols else 0
-    if dpre_slices:
-        _dpre_kernel[(triton.cdiv(T, cfg.dpre_block_t), dpre_slices)](
-            X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
-            N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C))),
-            num_warps=cfg.dpre_warps,
-        )
-    _dlogits_kernel[(plan.dlogits_programs,)](
-        X, dU, dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
-        T, C, dpre_slices, X.stride(0), X.stride(1), dU.stride(0), stats.stride(0), grad_stats.stride(0),
-        float(hc_eps), int(sinkhorn_iters),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, SPLIT_DPRE=dpre_slices > 0, BLOCK_T=cfg.dlogits_block_t,
-        BLOCK_C=plan.dlogits_block_c, num_warps=cfg.dlogits_warps,
+    dpre_slices = triton.cdiv(C, plan.dpre_cols)
+    _dpre_kernel[(triton.cdiv(T, cfg.dpre_block_t), dpre_slices)](
+        X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
+        N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=plan.dpre_block_c, num_warps=cfg.dpre_warps,
     )
+    _dlogits_kernel[(plan.dlogits_programs,)](
+        dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
+        T, C, dpre_slices, stats.stride(0), grad_stats.stride(0), float(hc_eps), int(sinkhorn_iters),
+        N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
+    )
+    if not atomic:  # right away, while A's partials are in L2
+        block_p = min(1024, triton.next_power_of_2(plan.dlogits_programs))
+        _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
+                                    ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=16 if block_p >= 512 else 4)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
@@ -223,5 +224,3 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             dfn_part, dfn, plan.dfn.splits, width, width, ACCUMULATE=accumulate, BLOCK_P=8, BLOCK=sum_block,
             num_warps=4,
         )
-        _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
-                                    ACCUMULATE=accumulate, BLOCK_P=256, num_warps=8)

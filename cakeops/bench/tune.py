@@ -35,14 +35,11 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    yield dict(slices=4, block_t=128, num_warps=8, num_stages=3, finalize_block_t=16, finalize_block_c=256,
-               finalize_warps=8), None
-    yield dict(separate_collapse=True), None
-    # three kernels: projection (slices, block_t), gates (finalize_block_t, warps), collapse stream
-    for slices, block_t, fin_t, fin_w in ((1, 128, 32, 4), (1, 128, 16, 4), (1, 128, 64, 4), (1, 128, 32, 2),
-                                          (2, 128, 32, 4), (1, 128, 8, 1)):
-        yield dict(separate_collapse=True, slices=slices, block_t=block_t, num_warps=8, num_stages=3,
-                   finalize_block_t=fin_t, finalize_warps=fin_w), None
+    for gates_block_t, gates_warps in ((32, 1), (16, 1), (4, 1), (8, 2)):
+        yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
+    for collapse_block_c in (1024, 4096):
+        yield dict(collapse_block_c=collapse_block_c), None
+    yield dict(slices=2), None
 
 
 def _backward_prepare_variants():
@@ -55,15 +52,10 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    # dpre in its own kernel (tokens, columns, warps of it), kernel A as configured or without its streaming phase
-    for block_t, block_c, warps in ((32, 128, 4), (64, 128, 8), (32, 256, 8)):
-        yield dict(config=FinishConfig(dpre_slices=1, dpre_block_t=block_t, dpre_block_c=block_c,
-                                       dpre_warps=warps)), None
-    for block_t, per_sm, warps in ((8, 4, 2), (8, 4, 1), (16, 4, 2), (8, 8, 1), (4, 8, 1)):
-        yield dict(config=FinishConfig(dpre_slices=1, dpre_block_t=32, dlogits_block_t=block_t,
-                                       dlogits_per_sm=per_sm, dlogits_warps=warps)), None
-    for per_sm, block_t, stages in ((3, 16, 2), (2, 16, 2), (3, 16, 3), (3, 32, 2)):
-        yield dict(config=FinishConfig(per_sm=per_sm, block_t=block_t, stages=stages)), None
+    for block_t, per_sm, warps in ((32, 4, 1), (16, 8, 1), (8, 16, 1), (4, 16, 1)):
+        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_per_sm=per_sm, dlogits_warps=warps)), None
+    for block_t, block_c, warps in ((16, 128, 4), (64, 128, 8)):
+        yield dict(config=FinishConfig(dpre_block_t=block_t, dpre_block_c=block_c, dpre_warps=warps)), None
 
 
 def _head_backward_variants():
