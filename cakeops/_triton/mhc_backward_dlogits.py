@@ -2,7 +2,7 @@
 and what kernel B (mhc_backward_dx.py) needs from it.
 
 ``_dpre_kernel``: dpre_i = sum_c dU*X_i, one pass over X and dU, partials per column slice. Kernel A,
-persistent over blocks of BLOCK_T tokens: from dpre, on [n, BLOCK_T] / [n, n, BLOCK_T] tiles, back through
+persistent over blocks of BLOCK_T tokens: from dpre, on [BLOCK_T, n] / [BLOCK_T, n, n] tiles, back through
 pre = sigmoid + eps, post = 2*sigmoid and the exact unrolled Sinkhorn to dlogit. Writes dz = rstd*dmix and
 s = rstd^2/K * sum_m dmix_m*mix_m to a small FP32 workspace row per token ([T, M_PAD]: dz at 0..M-1, s at M),
 and sums dlogit and dlogit*mix over its tokens, per logit: one partial row per program (-> dbase, dscale after
@@ -11,7 +11,7 @@ a fixed-order reduction), or atomics.
 Sinkhorn backward: the backward of normalization step s needs that step's input. The kernel replays the
 forward once from the logits (a = mix*scale[2] + base, mix from stats), step for step as
 mhc_prepare._sinkhorn, storing each of the 2*iters - 1 normalization inputs in a per-program FP32 scratch
-[2*iters-1, n, n, BLOCK_T], then walks the steps in reverse: exact, and linear in iters (a replay from the
+[2*iters-1, BLOCK_T, n, n], then walks the steps in reverse: exact, and linear in iters (a replay from the
 logits for every reverse step would be quadratic: ~20x the forward's work at iters=20). Persistent programs
 reuse their slot, so the scratch is programs*(2*iters-1)*BLOCK_T*64 bytes (~21 MB at iters=20 with the
 defaults on an H200) and stays in the caches: nothing else streams through them meanwhile.
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _DCOMB
-from .mhc_prepare import _normalize, _sigmoid, _softmax_rows
+from .mhc_prepare import _sigmoid
 
 
 M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row
@@ -28,13 +28,12 @@ M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also th
 
 @triton.jit
 def _load_logits(row, row_ok, N: tl.constexpr):
-    """The pre [N, R], post [N, R] and res [N, N, R] pieces (token axis last, as mhc_prepare's Sinkhorn tiles)
-    of the M logit-indexed values at row[r] + m."""
+    """The pre [R, N], post [R, N] and res [R, N, N] pieces of the M logit-indexed values at row[r] + m."""
     j = tl.arange(0, N)
     ij = j[:, None] * N + j[None, :]
-    pre = tl.load(row[None, :] + j[:, None], mask=row_ok[None, :], other=0.0)
-    post = tl.load(row[None, :] + N + j[:, None], mask=row_ok[None, :], other=0.0)
-    res = tl.load(row[None, None, :] + 2 * N + ij[:, :, None], mask=row_ok[None, None, :], other=0.0)
+    pre = tl.load(row[:, None] + j[None, :], mask=row_ok[:, None], other=0.0)
+    post = tl.load(row[:, None] + N + j[None, :], mask=row_ok[:, None], other=0.0)
+    res = tl.load(row[:, None, None] + 2 * N + ij[None, :, :], mask=row_ok[:, None, None], other=0.0)
     return pre, post, res
 
 
@@ -44,13 +43,18 @@ def _put_logits(row, row_ok, pre, post, res, N: tl.constexpr, ATOMIC: tl.constex
     j = tl.arange(0, N)
     ij = j[:, None] * N + j[None, :]
     if ATOMIC:
-        tl.atomic_add(row[None, :] + j[:, None], pre, mask=row_ok[None, :])
-        tl.atomic_add(row[None, :] + N + j[:, None], post, mask=row_ok[None, :])
-        tl.atomic_add(row[None, None, :] + 2 * N + ij[:, :, None], res, mask=row_ok[None, None, :])
+        tl.atomic_add(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
+        tl.atomic_add(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
+        tl.atomic_add(row[:, None, None] + 2 * N + ij[None, :, :], res, mask=row_ok[:, None, None])
     else:
-        tl.store(row[None, :] + j[:, None], pre, mask=row_ok[None, :])
-        tl.store(row[None, :] + N + j[:, None], post, mask=row_ok[None, :])
-        tl.store(row[None, None, :] + 2 * N + ij[:, :, None], res, mask=row_ok[None, None, :])
+        tl.store(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
+        tl.store(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
+        tl.store(row[:, None, None] + 2 * N + ij[None, :, :], res, mask=row_ok[:, None, None])
+
+
+@triton.jit
+def _normalize(p, AXIS: tl.constexpr, hc_eps):
+    return tl.div_rn(p, tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps)
 
 
 @triton.jit
@@ -62,8 +66,14 @@ def _normalize_backward(dq, p, AXIS: tl.constexpr, hc_eps):
 
 
 @triton.jit
+def _softmax_rows(a):
+    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
+    return tl.div_rn(e, tl.sum(e, axis=2)[:, :, None])
+
+
+@triton.jit
 def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
-    """da [N, N, BLOCK_T] from dcomb: the exact unrolled Sinkhorn backward, every eps and iteration.
+    """da [BLOCK_T, N, N] from dcomb: the exact unrolled Sinkhorn backward, every eps and iteration.
 
     Replays the forward (mhc_prepare._sinkhorn: softmax + eps, columns, then (rows, columns) * (iters-1))
     keeping the input of normalization step s at scr + s*STEP, then walks the steps in reverse.
@@ -72,12 +82,12 @@ def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
     s = _softmax_rows(a)
     p = s + hc_eps
     tl.store(scr, p)
-    p = _normalize(p, 0, hc_eps)
+    p = _normalize(p, 1, hc_eps)
     for k in range(1, iters):
         tl.store(scr + (2 * k - 1) * STEP, p)
-        p = _normalize(p, 1, hc_eps)
+        p = _normalize(p, 2, hc_eps)
         tl.store(scr + 2 * k * STEP, p)
-        p = _normalize(p, 0, hc_eps)
+        p = _normalize(p, 1, hc_eps)
     tl.debug_barrier()  # the iterates are visible to every thread
     # Each reverse step loads its two iterates one step ahead: the loads do not depend on dp, so their
     # latency hides behind the previous step's arithmetic instead of stalling every step.
@@ -89,11 +99,11 @@ def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
         col, row = p_col, p_row
         p_col = tl.load(scr + 2 * k * STEP)
         p_row = tl.load(scr + tl.maximum(2 * k - 1, 0) * STEP)
-        dp = _normalize_backward(dp, col, 0, hc_eps)
-        dp = _normalize_backward(dp, row, 1, hc_eps)
-    dp = _normalize_backward(dp, p_col, 0, hc_eps)  # p_col is the first iterate here (scr + 0)
+        dp = _normalize_backward(dp, col, 1, hc_eps)
+        dp = _normalize_backward(dp, row, 2, hc_eps)
+    dp = _normalize_backward(dp, p_col, 1, hc_eps)  # p_col is the first iterate here (scr + 0)
     # P0 = softmax(a) + eps: the eps has gradient one, then the row softmax.
-    return s * (dp - tl.sum(dp * s, axis=1)[:, None, :])
+    return s * (dp - tl.sum(dp * s, axis=2)[:, :, None])
 
 
 @triton.jit
@@ -137,18 +147,17 @@ def _stream(x_row, i: tl.constexpr, stride_xi, c, mask):
 def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
                    base_pre, base_post, base_res, hc_eps, iters, scr, N: tl.constexpr, M_PAD: tl.constexpr,
                    STEP: tl.constexpr):
-    """One token block from dpre [N, BLOCK_T]: back through the gates and the Sinkhorn to dlogit, writes the
-    block's dz rows (dz = rstd*dmix at 0..M-1, s at M). Returns dlogit and mix as (pre, post, res) pieces,
-    token axis last."""
+    """One token block from dpre [BLOCK_T, N]: back through the gates and the Sinkhorn to dlogit, writes the
+    block's dz rows (dz = rstd*dmix at 0..M-1, s at M). Returns dlogit and mix as (pre, post, res) pieces."""
     M = 2 * N + N * N
-    s_row = STATS + t64 * stride_st
-    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
-    rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
-    g_row = GS + t64 * stride_gt
     j = tl.arange(0, N)
     ij = j[:, None] * N + j[None, :]
-    dpost = tl.load(g_row[None, :] + _DPOST + j[:, None], mask=t_ok[None, :], other=0.0)
-    dcomb = tl.load(g_row[None, None, :] + _DCOMB + ij[:, :, None], mask=t_ok[None, None, :], other=0.0)
+    s_row = STATS + t64 * stride_st
+    g_row = GS + t64 * stride_gt
+    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
+    rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
+    dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
+    dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
     # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
     sg_pre = _sigmoid(mix_pre * scale_pre + base_pre)
     sg_post = _sigmoid(mix_post * scale_post + base_post)
@@ -157,10 +166,10 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
     dl_res = _sinkhorn_backward(mix_res * scale_res + base_res, dcomb, hc_eps, iters, scr, STEP)
 
     dm_pre, dm_post, dm_res = dl_pre * scale_pre, dl_post * scale_post, dl_res * scale_res
-    dmix_mix = (tl.sum(dm_pre * mix_pre, axis=0) + tl.sum(dm_post * mix_post, axis=0)
-                + tl.sum(tl.sum(dm_res * mix_res, axis=1), axis=0))
+    dmix_mix = (tl.sum(dm_pre * mix_pre, axis=1) + tl.sum(dm_post * mix_post, axis=1)
+                + tl.sum(tl.sum(dm_res * mix_res, axis=2), axis=1))
     dz_row = DZ + t64 * M_PAD
-    _put_logits(dz_row, t_ok, rstd[None, :] * dm_pre, rstd[None, :] * dm_post, rstd[None, None, :] * dm_res,
+    _put_logits(dz_row, t_ok, rstd[:, None] * dm_pre, rstd[:, None] * dm_post, rstd[:, None, None] * dm_res,
                 N, False)
     tl.store(dz_row + M, tl.div_rn(rstd * rstd, (N * C) * 1.0) * dmix_mix, mask=t_ok)
     return dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res
@@ -193,31 +202,31 @@ def _dlogits_kernel(
     j = tl.arange(0, N)
     ij = j[:, None] * N + j[None, :]
     STEP = BLOCK_T * N * N
-    scr = SCR + pid.to(tl.int64) * (2 * iters - 1) * STEP + (ij[:, :, None] * BLOCK_T + tt[None, None, :])
+    scr = SCR + pid.to(tl.int64) * (2 * iters - 1) * STEP + (tt[:, None, None] * (N * N) + ij[None, :, :])
     scale_pre, scale_post, scale_res = tl.load(SCALE), tl.load(SCALE + 1), tl.load(SCALE + 2)
     one = tl.zeros([1], dtype=tl.int32)  # the logit-indexed vectors below are one "row" of _load_logits
     base_pre, base_post, base_res = _load_logits(BASE + one, one == 0, N)
     # Sums over this program's tokens, per logit: dlogit (-> dbase) and dlogit*mix (-> dscale).
-    db_pre = tl.zeros([N, 1], dtype=tl.float32)
-    db_post = tl.zeros([N, 1], dtype=tl.float32)
-    db_res = tl.zeros([N, N, 1], dtype=tl.float32)
+    db_pre = tl.zeros([1, N], dtype=tl.float32)
+    db_post = tl.zeros([1, N], dtype=tl.float32)
+    db_res = tl.zeros([1, N, N], dtype=tl.float32)
     ds_pre, ds_post, ds_res = db_pre, db_post, db_res
     for block in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
-        dpre = tl.zeros([N, BLOCK_T], dtype=tl.float32)
+        dpre = tl.zeros([BLOCK_T, N], dtype=tl.float32)
         for s in range(dpre_slices):
-            dpre += tl.load(DPRE + (s * T + t64)[None, :] * N + j[:, None], mask=t_ok[None, :], other=0.0)
+            dpre += tl.load(DPRE + (s * T + t64)[:, None] * N + j[None, :], mask=t_ok[:, None], other=0.0)
         dl_pre, dl_post, dl_res, mix_pre, mix_post, mix_res = _dlogits_block(
             dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scale_pre, scale_post, scale_res,
             base_pre, base_post, base_res, hc_eps, iters, scr, N, M_PAD, STEP)
-        db_pre += tl.sum(dl_pre, axis=1, keep_dims=True)
-        db_post += tl.sum(dl_post, axis=1, keep_dims=True)
-        db_res += tl.sum(dl_res, axis=2, keep_dims=True)
-        ds_pre += tl.sum(dl_pre * mix_pre, axis=1, keep_dims=True)
-        ds_post += tl.sum(dl_post * mix_post, axis=1, keep_dims=True)
-        ds_res += tl.sum(dl_res * mix_res, axis=2, keep_dims=True)
+        db_pre += tl.sum(dl_pre, axis=0, keep_dims=True)
+        db_post += tl.sum(dl_post, axis=0, keep_dims=True)
+        db_res += tl.sum(dl_res, axis=0, keep_dims=True)
+        ds_pre += tl.sum(dl_pre * mix_pre, axis=0, keep_dims=True)
+        ds_post += tl.sum(dl_post * mix_post, axis=0, keep_dims=True)
+        ds_res += tl.sum(dl_res * mix_res, axis=0, keep_dims=True)
     if ATOMIC:
         _put_logits(DBASE + one, one == 0, db_pre, db_post, db_res, N, True)
         tl.atomic_add(DSCALE, tl.sum(ds_pre))

@@ -75,9 +75,9 @@ class FinishConfig:
     dpre_block_t: int = 32       # dpre kernel: tokens per program
     dpre_block_c: int = 128      # dpre kernel: columns per chunk
     dpre_warps: int = 4
-    dlogits_block_t: int = 32    # kernel A: tokens per block (32 per warp: a token per thread)
+    dlogits_block_t: int = 8     # kernel A: tokens per block
     dlogits_warps: int = 1
-    dlogits_per_sm: int = 2      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
+    dlogits_per_sm: int = 8      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4

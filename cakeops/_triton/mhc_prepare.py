@@ -4,8 +4,8 @@ Three launches, each with the parallelism its work needs (H200, bf16, T=16384, C
 
 * ``_project_kernel``, per block of 128 tokens (x column slices): the projection fn @ x on tensor cores and
   the sum of x^2, one pass over X (165 us: fn is re-read per token block, so big blocks).
-* ``_gates_kernel``, per block of 32 tokens (one warp, a token per thread): the slices summed in order, rstd,
-  mix, the gates and the n x n Sinkhorn, written to the record (latency-bound, so many small programs).
+* ``_gates_kernel``, per block of 8 tokens: the slices summed in order, rstd, mix, the gates and the n x n
+  Sinkhorn, written to the record (11 us: latency-bound, so many small programs).
 * the collapse U = sum_i pre_i * X_i, a one-pass stream kernel (mhc_streams.collapse, 156 us).
 
 One kernel doing all of it per token block measured 0.39 ms against 0.34: its Sinkhorn ran as a tail after
@@ -79,28 +79,15 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
     return acc, tl.sum(sum_sq, axis=1)
 
 
-# The n x n matrices of a token block are [N, N, BLOCK_T] tiles, the token axis last: the compiler then gives
-# each thread whole matrices, so the row / column sums of the Sinkhorn are register adds, not shuffles
-# (the iterations are a chain of dependent steps; their latency is what these kernels wait for).
-
-@triton.jit
-def _normalize(p, AXIS: tl.constexpr, hc_eps):
-    """p / (sum over AXIS + eps): AXIS 1 normalizes the rows of [N, N, BLOCK_T] tiles, AXIS 0 the columns."""
-    return tl.div_rn(p, tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps)
-
-
-@triton.jit
-def _softmax_rows(a):
-    e = tl.exp(a - tl.max(a, axis=1)[:, None, :])
-    return tl.div_rn(e, tl.sum(e, axis=1)[:, None, :])
-
-
 @triton.jit
 def _sinkhorn(a, hc_eps, iters):
-    """a [N, N, BLOCK_T] logits -> comb: row softmax + eps, then columns, (rows, columns) * (iters-1)."""
-    p = _normalize(_softmax_rows(a) + hc_eps, 0, hc_eps)
+    """a [BLOCK_T, N, N] logits -> comb: row softmax + eps, then columns, (rows, columns) * (iters-1)."""
+    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
+    p = tl.div_rn(e, tl.sum(e, axis=2)[:, :, None]) + hc_eps
+    p = tl.div_rn(p, tl.sum(p, axis=1)[:, None, :] + hc_eps)
     for _ in range(1, iters):
-        p = _normalize(_normalize(p, 1, hc_eps), 0, hc_eps)
+        p = tl.div_rn(p, tl.sum(p, axis=2)[:, :, None] + hc_eps)
+        p = tl.div_rn(p, tl.sum(p, axis=1)[:, None, :] + hc_eps)
     return p
 
 
@@ -141,7 +128,7 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     mix = acc * rstd[:, None]
 
     # mix goes to its stats columns, then comes back in the shapes the gates and the Sinkhorn need
-    # ([N, BLOCK_T], [N, N, BLOCK_T]): a cache-hot round trip of M floats per token, simpler than
+    # ([BLOCK_T, N], [BLOCK_T, N, N]): a cache-hot round trip of M floats per token, simpler than
     # re-laying out registers. The barrier makes the other threads' stores visible.
     s_row = STATS + t64 * _STATS_WIDTH
     tl.store(s_row[:, None] + _MIX + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
@@ -152,17 +139,17 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     tl.debug_barrier()
 
     j = tl.arange(0, N)
+    row_ok = t_ok[:, None]
+    z_pre = tl.load(s_row[:, None] + _MIX + j[None, :], mask=row_ok, other=0.0)
+    z_post = tl.load(s_row[:, None] + _MIX + N + j[None, :], mask=row_ok, other=0.0)
+    pre = _sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
+    post = 2.0 * _sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
     ij = j[:, None] * N + j[None, :]
-    row_ok = t_ok[None, :]
-    z_pre = tl.load(s_row[None, :] + _MIX + j[:, None], mask=row_ok, other=0.0)
-    z_post = tl.load(s_row[None, :] + _MIX + N + j[:, None], mask=row_ok, other=0.0)
-    pre = _sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[:, None]) + hc_eps
-    post = 2.0 * _sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[:, None])
-    z_res = tl.load(s_row[None, None, :] + _MIX + 2 * N + ij[:, :, None], mask=row_ok[None, :, :], other=0.0)
-    comb = _sinkhorn(z_res * tl.load(SCALE + 2) + tl.load(BASE + 2 * N + ij)[:, :, None], hc_eps, iters)
-    tl.store(s_row[None, :] + _PRE + j[:, None], pre, mask=row_ok)
-    tl.store(s_row[None, :] + _POST + j[:, None], post, mask=row_ok)
-    tl.store(s_row[None, None, :] + _COMB + ij[:, :, None], comb, mask=row_ok[None, :, :])
+    z_res = tl.load(s_row[:, None, None] + _MIX + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
+    comb = _sinkhorn(z_res * tl.load(SCALE + 2) + tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters)
+    tl.store(s_row[:, None] + _PRE + j[None, :], pre, mask=row_ok)
+    tl.store(s_row[:, None] + _POST + j[None, :], post, mask=row_ok)
+    tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
 def _project_config(X: torch.Tensor, T: int, C: int):
@@ -186,7 +173,7 @@ def _project_config(X: torch.Tensor, T: int, C: int):
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, slices: int = 1, gates_block_t: int = 32, gates_warps: int = 1,
+            num_stages: Optional[int] = None, slices: int = 1, gates_block_t: int = 8, gates_warps: int = 1,
             collapse_block_c: Optional[int] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 

@@ -35,7 +35,7 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    for gates_block_t, gates_warps in ((64, 2), (64, 1), (16, 1), (8, 1), (128, 4)):
+    for gates_block_t, gates_warps in ((32, 1), (16, 1), (4, 1), (8, 2)):
         yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
     for collapse_block_c in (1024, 4096):
         yield dict(collapse_block_c=collapse_block_c), None
@@ -52,7 +52,7 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    for block_t, per_sm, warps in ((32, 4, 1), (32, 1, 1), (64, 2, 2), (16, 4, 1), (8, 8, 1)):
+    for block_t, per_sm, warps in ((32, 4, 1), (16, 8, 1), (8, 16, 1), (4, 16, 1)):
         yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_per_sm=per_sm, dlogits_warps=warps)), None
     for block_t, block_c, warps in ((16, 128, 4), (64, 128, 8)):
         yield dict(config=FinishConfig(dpre_block_t=block_t, dpre_block_c=block_c, dpre_warps=warps)), None
