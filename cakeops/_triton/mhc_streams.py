@@ -56,10 +56,8 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt,
 
 @triton.jit
 def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi,
-                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr,
-                          STORE_CACHE: tl.constexpr):
-    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating. STORE_CACHE: the
-    store's cache modifier ("" = default; ".cs" streams the 4x larger output past the caches)."""
+                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -71,7 +69,7 @@ def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi,
         dx = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + g[None, :]
     else:
         dx = tl.broadcast_to(g[None, :], [N, BLOCK_C])
-    tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=mask, cache_modifier=STORE_CACHE)
+    tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _stream_block(C: int, block_c: Optional[int]):
@@ -119,8 +117,7 @@ def _collapse(X, stats, Y, block_c):
     )
 
 
-def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None,
-                  store_cache: str = "") -> None:
+def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None) -> None:
     """dX[t, i, c] = round(dY[t, c] / n); with accumulate, dX = round(dX + dY / n) in FP32."""
     T, n, C = dX.shape
     if T == 0:
@@ -129,5 +126,5 @@ def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block
     block_c, warps = _stream_block(C, block_c)
     _head_backward_kernel[(T, triton.cdiv(C, block_c))](
         dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1),
-        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, STORE_CACHE=store_cache, num_warps=warps,
+        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, num_warps=warps,
     )

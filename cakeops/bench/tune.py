@@ -60,9 +60,8 @@ def _backward_finish_variants():
 
 def _head_backward_variants():
     yield {}, "default"
-    for block_c in (1024, 2048, 4096):
-        yield dict(block_c=block_c, store_cache=".cs"), None
-    yield dict(store_cache=".cg"), None
+    for block_c in (512, 1024, 4096):
+        yield dict(block_c=block_c), None
 
 
 def kernel_us(call, reps: int = 5) -> str:
