@@ -58,6 +58,71 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
 
 
 @triton.jit
+def _dx_streams_kernel(
+    X, DY, DU, FN, STATS, DZ, DX,
+    T, C, blocks_per_split,
+    stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
+    N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Kernel B on 2-D [BLOCK_T, BLOCK_C] tiles: dU and the n dY_j tiles are loaded once per token block and
+    every thread computes all n streams of its elements (one 2-D dot per stream), where the batched layout
+    of _dx_kernel gives each stream its own warp and loads dU and dY once per warp."""
+    tl.static_assert(N == 4)
+    M = 2 * N + N * N
+    tt = tl.arange(0, BLOCK_T)[:, None]
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    c_ok = c < C
+    m_row = tl.arange(0, M_PAD)[:, None]
+    m_col = tl.arange(0, M_PAD)[None, :]
+    fn_ok = (m_row < M) & c_ok
+    fn0 = tl.load(FN + m_row * stride_fn + 0 * C + c, mask=fn_ok, other=0.0)  # [M_PAD, BLOCK_C] per stream
+    fn1 = tl.load(FN + m_row * stride_fn + 1 * C + c, mask=fn_ok, other=0.0)
+    fn2 = tl.load(FN + m_row * stride_fn + 2 * C + c, mask=fn_ok, other=0.0)
+    fn3 = tl.load(FN + m_row * stride_fn + 3 * C + c, mask=fn_ok, other=0.0)
+    first = tl.program_id(1) * blocks_per_split
+    for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
+        t = block * BLOCK_T + tt
+        t_ok = t < T
+        t64 = t.to(tl.int64)
+        mask = t_ok & c_ok
+        dz = -tl.load(DZ + t64 * M_PAD + m_col, mask=t_ok & (m_col < M), other=0.0)  # [BLOCK_T, M_PAD], negated
+        s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
+        du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
+        dy_row = DY + t64 * stride_dyt + c
+        dy0 = tl.load(dy_row, mask=mask, other=0.0).to(tl.float32)
+        dy1 = tl.load(dy_row + stride_dyi, mask=mask, other=0.0).to(tl.float32)
+        dy2 = tl.load(dy_row + 2 * stride_dyi, mask=mask, other=0.0).to(tl.float32)
+        dy3 = tl.load(dy_row + 3 * stride_dyi, mask=mask, other=0.0).to(tl.float32)
+        s_row = STATS + t64 * stride_st
+        x_row = X + t64 * stride_xt + c
+        dx_row = DX + t64 * stride_dxt + c
+        _dx_stream(x_row, dx_row, s_row, 0, fn0, dz, s, du, dy0, dy1, dy2, dy3, t_ok, mask, stride_xi, stride_dxi,
+                   N, PRECISION)
+        _dx_stream(x_row, dx_row, s_row, 1, fn1, dz, s, du, dy0, dy1, dy2, dy3, t_ok, mask, stride_xi, stride_dxi,
+                   N, PRECISION)
+        _dx_stream(x_row, dx_row, s_row, 2, fn2, dz, s, du, dy0, dy1, dy2, dy3, t_ok, mask, stride_xi, stride_dxi,
+                   N, PRECISION)
+        _dx_stream(x_row, dx_row, s_row, 3, fn3, dz, s, du, dy0, dy1, dy2, dy3, t_ok, mask, stride_xi, stride_dxi,
+                   N, PRECISION)
+
+
+@triton.jit
+def _dx_stream(x_row, dx_row, s_row, i: tl.constexpr, fn_i, dz, s, du, dy0, dy1, dy2, dy3, t_ok, mask, stride_xi,
+               stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr):
+    """Stream i of a [BLOCK_T, BLOCK_C] tile: dX_i = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + dz @ fn_i)."""
+    x = tl.load(x_row + i * stride_xi, mask=mask, other=0.0).to(tl.float32)
+    dx = tl.load(s_row + _PRE + i, mask=t_ok, other=0.0) * du - x * s
+    dx += tl.load(s_row + _COMB + i * N, mask=t_ok, other=0.0) * dy0
+    dx += tl.load(s_row + _COMB + i * N + 1, mask=t_ok, other=0.0) * dy1
+    dx += tl.load(s_row + _COMB + i * N + 2, mask=t_ok, other=0.0) * dy2
+    dx += tl.load(s_row + _COMB + i * N + 3, mask=t_ok, other=0.0) * dy3
+    # dz arrives negated and the projection is subtracted after the dot: kept out of the dot's accumulator,
+    # the elementwise terms stay in the layout of their loads and only the dot's result changes layout.
+    dx = dx - tl.dot(dz, fn_i, input_precision=PRECISION)
+    tl.store(dx_row + i * stride_dxi, dx.to(dx_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):

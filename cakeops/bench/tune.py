@@ -52,10 +52,14 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    for block_t, per_sm, warps in ((32, 4, 1), (16, 8, 1), (8, 16, 1), (4, 16, 1)):
-        yield dict(config=FinishConfig(dlogits_block_t=block_t, dlogits_per_sm=per_sm, dlogits_warps=warps)), None
-    for block_t, block_c, warps in ((16, 128, 4), (64, 128, 8)):
-        yield dict(config=FinishConfig(dpre_block_t=block_t, dpre_block_c=block_c, dpre_warps=warps)), None
+    # kernel B on 2-D tiles, every stream in each thread: (tokens, columns, warps, programs per SM)
+    for block_t, block_c, warps, per_sm in ((16, 64, 4, 4), (16, 64, 8, 4), (16, 128, 8, 2), (16, 64, 4, 3),
+                                            (32, 64, 4, 2), (16, 64, 4, 6), (16, 32, 4, 8)):
+        yield dict(config=FinishConfig(dx_tiles="streams", block_t=block_t, block_c=block_c, warps=warps,
+                                       per_sm=per_sm)), None
+    # kernel A is latency-bound: more programs per SM
+    for per_sm in (12, 16):
+        yield dict(config=FinishConfig(dlogits_per_sm=per_sm)), None
 
 
 def _head_backward_variants():
