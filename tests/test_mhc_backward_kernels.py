@@ -155,7 +155,6 @@ FINISH_CASES = [
     # dpre in its own kernel: 3 column slices of 16 at C = 40 (the last one partial), token blocks past T
     pytest.param(13, 40, 20, "large_eps", {"dpre_slices": 3, "dpre_block_c": 16, "dpre_block_t": 8},
                  id="T13-C40-it20-large-dpre3"),
-    pytest.param(24, 40, 3, "default_eps", {**SMALL, "dx_tiles": "streams", "splits": 2}, id="T24-C40-it3-dx-streams"),
 ]
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from ..meta import mhc_layout as layout
 from .launch import persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
-from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_streams_kernel
+from .mhc_backward_dx import _dfn_kernel, _dx_kernel
 from .rmsnorm import _sum_partials_kernel
 
 
@@ -77,8 +77,7 @@ class FinishConfig:
     dpre_warps: int = 4
     dlogits_block_t: int = 8     # kernel A: tokens per block
     dlogits_warps: int = 1
-    dlogits_per_sm: int = 8      # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
-    dx_tiles: str = "batched"    # kernel B: "batched" [n, BLOCK_T, BLOCK_C] tiles or "streams" (2-D, all n per thread)
+    dlogits_per_sm: int = 16     # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4
@@ -205,8 +204,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         block_p = min(1024, triton.next_power_of_2(plan.dlogits_programs))
         _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
                                     ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=16 if block_p >= 512 else 4)
-    dx_kernel = {"batched": _dx_kernel, "streams": _dx_streams_kernel}[cfg.dx_tiles]
-    dx_kernel[(plan.dx.columns, plan.dx.splits)](
+    _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),

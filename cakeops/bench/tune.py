@@ -52,14 +52,13 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    # kernel B on 2-D tiles, every stream in each thread: (tokens, columns, warps, programs per SM)
-    for block_t, block_c, warps, per_sm in ((16, 64, 4, 4), (16, 64, 8, 4), (16, 128, 8, 2), (16, 64, 4, 3),
-                                            (32, 64, 4, 2), (16, 64, 4, 6), (16, 32, 4, 8)):
-        yield dict(config=FinishConfig(dx_tiles="streams", block_t=block_t, block_c=block_c, warps=warps,
-                                       per_sm=per_sm)), None
-    # kernel A is latency-bound: more programs per SM
-    for per_sm in (12, 16):
-        yield dict(config=FinishConfig(dlogits_per_sm=per_sm)), None
+    # kernel A is latency-bound (programs per SM, tokens per block); B: programs per SM; the dpre pass
+    for per_sm, block_t in ((8, 8), (32, 8), (16, 16)):
+        yield dict(config=FinishConfig(dlogits_per_sm=per_sm, dlogits_block_t=block_t)), None
+    for per_sm in (3, 6):
+        yield dict(config=FinishConfig(per_sm=per_sm)), None
+    for block_t, block_c, warps in ((16, 128, 4), (64, 128, 8)):
+        yield dict(config=FinishConfig(dpre_block_t=block_t, dpre_block_c=block_c, dpre_warps=warps)), None
 
 
 def _head_backward_variants():
