@@ -153,7 +153,7 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_layer_profile_lists_the_layer_ops_and_writes_a_trace(tmp_path, capsys):
-    from cakeops.bench import profile
+    from cakeops.bench import plot, profile
 
     assert profile.main(["--T", "5", "--C", "8", "--steps", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -167,3 +167,11 @@ def test_layer_profile_lists_the_layer_ops_and_writes_a_trace(tmp_path, capsys):
     assert json.loads((tmp_path / "layer_trace.json").read_text())["traceEvents"]
     with pytest.raises(SystemExit):
         profile.main(["--steps", "0", "--out", str(tmp_path)])
+    if plot.available():
+        assert (tmp_path / "layer_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # --replot draws the same picture from the JSON alone (a GPU run's, fetched elsewhere)
+        again = tmp_path / "again"
+        assert profile.main(["--replot", str(tmp_path / "layer_profile.json"), "--out", str(again)]) == 0
+        assert (again / "layer_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        profile.main(["--replot", str(tmp_path / "missing.json"), "--out", str(tmp_path)])

@@ -3,8 +3,9 @@ forward + backward (identity branch, bf16, sinkhorn_iters=20) spends its time.
 
 Prints every kernel (or, without a GPU, every CPU op) with its time per step from torch.profiler, their sum, and
 the wall time of a step: on a GPU, wall minus kernel time is time the device waited for the host (launches,
-autograd, allocator) or ran something unlisted. Writes OUT/layer_trace.json (Chrome trace) and
-OUT/layer_profile.json.
+autograd, allocator) or ran something unlisted. Writes OUT/layer_trace.json (Chrome trace),
+OUT/layer_profile.json and, with matplotlib, OUT/layer_profile.png. ``--replot JSON`` only draws the PNG of
+an earlier run's layer_profile.json (e.g. one fetched from a GPU host).
 """
 import argparse
 import json
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+
+from . import plot
 
 
 def _layer_step(X, fn, scale, base, dY):
@@ -96,7 +99,17 @@ def main(argv=None) -> int:
     p.add_argument("--C", type=int, default=None, help="hidden size (default 4096 on a GPU, 64 on a CPU)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON", help="draw OUT/layer_profile.png from JSON")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        if not plot.available():
+            p.error("--replot needs matplotlib")
+        try:
+            result = json.loads(args.replot.read_text())
+        except (OSError, ValueError) as exc:
+            p.error(f"--replot: cannot read {args.replot}: {exc}")
+        print(f"wrote {plot.profile_plot(args.out / 'layer_profile.png', result)}")
+        return 0
     if args.steps < 1:
         p.error("--steps must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,7 +123,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result.pop("trace").export_chrome_trace(str(args.out / "layer_trace.json"))
     (args.out / "layer_profile.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out / 'layer_trace.json'} and {args.out / 'layer_profile.json'}")
+    written = [args.out / "layer_trace.json", args.out / "layer_profile.json"]
+    if plot.available():
+        written.append(plot.profile_plot(args.out / "layer_profile.png", result))
+    print("wrote " + ", ".join(str(w) for w in written))
     return 0
 
 
