@@ -237,6 +237,20 @@ def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic
             assert torch.equal(f, torch.zeros_like(f))
 
 
+@pytest.mark.parametrize("iters", [20, 64])
+def test_sinkhorn_scratch_stays_within_its_budget(monkeypatch, iters):
+    """On a big GPU kernel A's programs are capped so that its scratch stays below the budget; at the default
+    iters the cap is not reached (every program the launch shape asks for)."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    monkeypatch.setattr(F, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
+    cfg = F.FinishConfig()
+    plan = F._plan(16384, 4096, iters, torch.device("cpu"), True, cfg)
+    assert 4 * plan.sizes[2] <= F.SCRATCH_BUDGET_BYTES
+    wanted = min(-(-16384 // cfg.dlogits_block_t), 132 * cfg.dlogits_per_sm)
+    assert (plan.dlogits_programs == wanted) == (iters == 20)
+
+
 def test_given_workspace_is_used_in_place(triton_kernels, gen):
     """A caller's workspace full of NaN garbage: used (and nothing past the announced size), no garbage leaks."""
     case = Case(gen, 13, 40, torch.float32, 3)

@@ -93,6 +93,11 @@ class FinishConfig:
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
 
 
+# Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an
+# H200 at iters=20); above this, fewer programs each walk more token blocks (iters=64: ~8 instead of 16 per SM).
+SCRATCH_BUDGET_BYTES = 64 << 20
+
+
 class _Split(NamedTuple):
     """A (column tiles) x (token splits) grid over token blocks."""
     block_c: int
@@ -125,7 +130,9 @@ class _Plan(NamedTuple):
 
 def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool, cfg: FinishConfig) -> _Plan:
     n, M = layout.N_STREAMS, layout.N_LOGITS
-    a_programs = persistent_programs(device, triton.cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm)
+    slot = (2 * iters - 1) * cfg.dlogits_block_t * n * n * 4  # bytes of one program's Sinkhorn scratch
+    a_programs = max(1, min(persistent_programs(device, triton.cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
+                            SCRATCH_BUDGET_BYTES // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C)))
