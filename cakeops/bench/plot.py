@@ -12,12 +12,27 @@ def available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def bandwidth_plot(path: Path, rows: Sequence[Mapping[str, Any]], ceiling_gbps: float) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a GPU host
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    _pyplot().close(fig)
+    return path
+
+
+def bandwidth_plot(path: Path, rows: Sequence[Mapping[str, Any]], ceiling_gbps: float) -> Path:
+    plt = _pyplot()
     # A peer's bandwidth counts the same minimal bytes as the op, so the bars compare times directly.
     series = {"cakeops": [row["gbps"] for row in rows]}
     for peer in peer_names(rows):
@@ -34,22 +49,13 @@ def bandwidth_plot(path: Path, rows: Sequence[Mapping[str, Any]], ceiling_gbps: 
     # Head room above the ceiling line for the legend, so neither hides the other.
     ax.set_ylim(0, 1.25 * max([ceiling_gbps] + [v for values in series.values() for v in values]))
     ax.legend(fontsize=8, loc="upper center", ncol=len(series) + 1)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def profile_plot(path: Path, result: Mapping[str, Any], top: int = 14) -> Path:
     """Horizontal bars: time per step of each kernel (or CPU op) of bench.profile's result, the largest on top,
     and on a GPU the rest of the step's wall time as one more bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = list(result["rows"][:top])
     names = [r["name"] if len(r["name"]) <= 40 else r["name"][:37] + "..." for r in rows]
     times = [r["us_per_step"] for r in rows]
@@ -68,9 +74,4 @@ def profile_plot(path: Path, result: Mapping[str, Any], top: int = 14) -> Path:
     ax.set_title(f"mHC layer fwd+bwd, T={result['T']} C={result['C']}: {result['wall_us_per_step']:.0f} us per step"
                  f" ({result['device']})", fontsize=9)
     ax.set_xlim(0, 1.12 * max(times))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
