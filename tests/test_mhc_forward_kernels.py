@@ -96,6 +96,7 @@ PREPARE_CASES = [
     # the projection split over column slices (a partial slice at C=100)
     pytest.param(17, 100, 20, "large_eps", {"slices": 3, "block_t": 16, "block_c": 16, "gates_block_t": 4},
                  id="T17-C100-it20-large-slices3"),
+    pytest.param(17, 100, 20, "default_eps", {"presplit": True, "block_c": 16}, id="T17-C100-it20-default-presplit"),
 ]
 
 
@@ -114,6 +115,7 @@ def test_prepare_matches_reference(triton_kernels, gen, dtype, T, C, iters, eps,
 @pytest.mark.parametrize("T, C, iters, config", [
     (17, 100, 20, {}), (40, 8, 3, {"block_t": 8, "block_c": 16, "gates_block_t": 16}),
     (17, 100, 20, {"slices": 2, "block_t": 16, "block_c": 16, "collapse_block_c": 64}),
+    (17, 100, 20, {"presplit": True}),
 ])
 def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config):
     X, fn, scale, base = make_inputs(gen, T, C, torch.bfloat16)
@@ -121,6 +123,14 @@ def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config)
     _, stats_only = run_prepare(X, fn, scale, base, 0.5, 0.05, iters, with_u=False, **config)
     assert torch.equal(stats, stats_only)
     assert torch.equal(stats[:, STATS_USED:], torch.zeros_like(stats[:, STATS_USED:]))
+
+
+def test_presplit_fn_gives_the_in_kernel_split_bits(triton_kernels, gen):
+    """fn split into bf16 hi / lo once per call feeds the same operands to the same dots as the per-tile split."""
+    X, fn, scale, base = make_inputs(gen, 40, 100, torch.bfloat16)
+    U, stats = run_prepare(X, fn, scale, base, 1e-5, 1e-6, 20, block_c=32)
+    U_pre, stats_pre = run_prepare(X, fn, scale, base, 1e-5, 1e-6, 20, block_c=32, presplit=True)
+    assert torch.equal(stats, stats_pre) and torch.equal(U, U_pre)
 
 
 def test_comb_is_doubly_stochastic(triton_kernels, gen):

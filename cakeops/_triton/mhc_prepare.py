@@ -40,7 +40,7 @@ def _sigmoid(z):
 def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
              N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
              BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-             PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
     """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD] and the sum of x^2
     [BLOCK_T] over those columns), FP32.
 
@@ -49,7 +49,8 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
     Tensor cores for the projection (SPEC §5 allows it): bf16 x is exact in a bf16 MMA and fn is split
     into bf16 hi + lo (~16 mantissa bits; on an H200 both faster and ~10x more accurate than TF32);
     other dtypes take fp32 x with TF32. The interpreter's bf16 dot is broken, so there the same pieces
-    go through an fp32 dot.
+    go through an fp32 dot. PRESPLIT: FN is [2, M, K] bf16 (hi, lo), split once per call by _split_fn_kernel,
+    so the tiles go to the tensor cores as loaded instead of through registers for the split.
     """
     offs_c = tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, M_PAD)
@@ -61,13 +62,18 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
         for i in tl.static_range(N):
             x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :],
                         mask=t_ok[:, None] & c_ok[None, :], other=0.0)
-            w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None],
-                        mask=(offs_m < M)[None, :] & c_ok[:, None], other=0.0)
+            w_mask = (offs_m < M)[None, :] & c_ok[:, None]
+            w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
             xf = x.to(tl.float32)
             sum_sq += xf * xf
             if SPLIT_BF16:
-                w_hi = w.to(tl.bfloat16)
-                w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
+                if PRESPLIT:
+                    w_hi = w
+                    w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + (i * C + c)[:, None], mask=w_mask,
+                                   other=0.0)
+                else:
+                    w_hi = w.to(tl.bfloat16)
+                    w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
                 if INTERPRET:
                     acc = tl.dot(xf, w_hi.to(tl.float32), acc)
                     acc = tl.dot(xf, w_lo.to(tl.float32), acc)
@@ -92,10 +98,22 @@ def _sinkhorn(a, hc_eps, iters):
 
 
 @triton.jit
+def _split_fn_kernel(FN, OUT, M, K, stride_fn, BLOCK: tl.constexpr):
+    """OUT [2, M, K] bf16 = (round(fn), round(fn - round(fn))): the split _project does per tile, once."""
+    row = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = k < K
+    w = tl.load(FN + row * stride_fn + k, mask=ok, other=0.0)
+    hi = w.to(tl.bfloat16)
+    tl.store(OUT + row * K + k, hi, mask=ok)
+    tl.store(OUT + (M + row) * K + k, (w - hi.to(tl.float32)).to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
 def _project_kernel(
     X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
 ):
     """Program (token block, column slice): the slice's projection and sum of squares into PART [slices, T,
     M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
@@ -104,7 +122,7 @@ def _project_kernel(
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
     acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
-                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION)
+                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
     offs_m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc), mask=t_ok[:, None])
@@ -174,13 +192,14 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
             num_stages: Optional[int] = None, slices: int = 1, gates_block_t: int = 8, gates_warps: int = 1,
-            collapse_block_c: Optional[int] = None) -> None:
+            collapse_block_c: Optional[int] = None, presplit: bool = False) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats. Projection tiles left None take the defaults of ``_project_config``;
     ``slices`` splits the projection of every token block over that many column slices (partials in a
     [slices, T, 32] FP32 buffer, summed in order by the gates kernel). ``gates_block_t`` / ``gates_warps``:
     the gates kernel's token block and warps; ``collapse_block_c``: columns per program of the collapse.
+    ``presplit`` (bf16 X): fn split into bf16 hi / lo once per call instead of per tile in the projection.
     Defaults: the fastest on an H200 (2026-11-29, second session of the day; docs/perf.md).
     """
     T, n, C = X.shape
@@ -198,10 +217,15 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert m_pad > M  # column M of a partial row carries the sum of squares
     cols = triton.cdiv(triton.cdiv(C, slices), block_c) * block_c
     part = torch.empty(triton.cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
+    presplit = presplit and X.dtype == torch.bfloat16
+    w = fn
+    if presplit:
+        w = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device)
+        _split_fn_kernel[(M, triton.cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
     _project_kernel[(triton.cdiv(T, block_t), part.shape[0])](
-        X, fn, part, T, C, cols, X.stride(0), X.stride(1), fn.stride(0),
+        X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(),
+        INTERPRET=interpreting(), PRESPLIT=presplit,
         # fp32 X: three-pass TF32, near-fp32 projection (SPEC §5's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),

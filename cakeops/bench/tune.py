@@ -35,6 +35,9 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
+    # fn split into bf16 hi / lo once per call (exp/fn-presplit), at the default and at wider chunks
+    for block_c, stages in ((64, 3), (128, 2), (64, 4)):
+        yield dict(presplit=True, block_c=block_c, num_stages=stages), None
     for gates_block_t, gates_warps in ((32, 1), (16, 1), (4, 1), (8, 2)):
         yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
     for collapse_block_c in (1024, 4096):
