@@ -186,11 +186,12 @@ def test_head_forward(triton_kernels, gen, dtype, T, C, block_c):
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("T, C", [(17, 100), (1, 1), (0, 8)])
-def test_head_backward(triton_kernels, gen, dtype, accumulate, T, C):
+@pytest.mark.parametrize("order, block_c", [("tc", None), ("ct", 32), ("flat", 1024)], ids=["tc", "ct", "flat"])
+def test_head_backward(triton_kernels, gen, dtype, accumulate, T, C, order, block_c):
     dY = torch.randn(T, C, generator=gen).to(dtype).to(DEVICE)
     dX0 = torch.randn(T, N, C, generator=gen).to(dtype).to(DEVICE)
     dX = dX0.clone() if accumulate else poisoned(T, N, C, dtype=dtype)
-    K.head_backward(dY, dX, accumulate)
+    K.head_backward(dY, dX, accumulate, block_c=block_c, order=order)
     ref = R.head_backward(dY.double(), N) + (dX0.double() if accumulate else 0.0)
     assert not dX.isnan().any()
     assert rel_err(dX, ref) <= out_tol(dtype)

@@ -68,6 +68,10 @@ def _head_backward_variants():
     yield {}, "default"
     for block_c in (512, 1024, 4096):
         yield dict(block_c=block_c), None
+    # grid order (exp/head-bwd-order): C blocks first, or dX as one flat range of BLOCK elements
+    yield dict(order="ct"), None
+    for block in (4096, 8192, 16384):
+        yield dict(order="flat", block_c=block), None
 
 
 def kernel_us(call, reps: int = 5) -> str:
