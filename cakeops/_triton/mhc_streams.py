@@ -55,30 +55,16 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt,
 
 
 @triton.jit
-def _head_backward_flat_kernel(DY, DX, numel, C, stride_dyt, N: tl.constexpr, ACCUMULATE: tl.constexpr,
-                               BLOCK: tl.constexpr):
-    """The same on a contiguous dX walked as one flat range: every program writes BLOCK consecutive elements."""
-    k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = k < numel
-    t = k // (N * C)
-    c = k % C
-    g = tl.div_rn(tl.load(DY + t * stride_dyt + c, mask=ok, other=0.0).to(tl.float32), N * 1.0)
-    if ACCUMULATE:
-        g += tl.load(DX + k, mask=ok, other=0.0).to(tl.float32)
-    tl.store(DX + k, g.to(DX.dtype.element_ty), mask=ok)
+def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi, c_blocks,
+                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating.
 
-
-@triton.jit
-def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi,
-                          N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_C: tl.constexpr, C_MAJOR: tl.constexpr):
-    """dX[i, c] = round(dY[c] / n), or round(dX[i, c] + dY[c] / n) when accumulating. C_MAJOR: the grid is
-    (C blocks, T), so that programs launched together write one token's rows back to back."""
-    if C_MAJOR:
-        t = tl.program_id(1).to(tl.int64)
-        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    else:
-        t = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    A 1-D grid, the C blocks of a token consecutive: programs launched together write one token's rows back
+    to back (H200, C=4096: 166 us against 175 with the token blocks consecutive), and T is not bound by the
+    65535 limit of a grid's second dimension."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // c_blocks
+    c = (pid % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     g = tl.div_rn(tl.load(DY + t * stride_dyt + c, mask=c_ok, other=0.0).to(tl.float32), N * 1.0)
     i = tl.arange(0, N)
@@ -136,24 +122,15 @@ def _collapse(X, stats, Y, block_c):
     )
 
 
-def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None,
-                  order: str = "tc") -> None:
-    """dX[t, i, c] = round(dY[t, c] / n); with accumulate, dX = round(dX + dY / n) in FP32.
-    ``order``: the grid, "tc" (T, C blocks), "ct" (C blocks, T) or "flat" (contiguous dX as one range)."""
+def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None) -> None:
+    """dX[t, i, c] = round(dY[t, c] / n); with accumulate, dX = round(dX + dY / n) in FP32."""
     T, n, C = dX.shape
     if T == 0:
         return
     assert dY.shape == (T, C) and dY.stride(1) == 1 and dX.stride(2) == 1
-    if order == "flat" and dX.is_contiguous():
-        block = block_c or 8192
-        _head_backward_flat_kernel[(triton.cdiv(dX.numel(), block),)](
-            dY, dX, dX.numel(), C, dY.stride(0), N=n, ACCUMULATE=bool(accumulate), BLOCK=block,
-            num_warps=max(1, min(8, block // 1024)),
-        )
-        return
     block_c, warps = _stream_block(C, block_c)
-    grid = (triton.cdiv(C, block_c), T) if order == "ct" else (T, triton.cdiv(C, block_c))
-    _head_backward_kernel[grid](
-        dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1),
-        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, C_MAJOR=order == "ct", num_warps=warps,
+    c_blocks = triton.cdiv(C, block_c)
+    _head_backward_kernel[(T * c_blocks,)](
+        dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1), c_blocks,
+        N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, num_warps=warps,
     )

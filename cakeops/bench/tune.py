@@ -35,9 +35,8 @@ def _inputs(device):
 
 def _prepare_variants():
     yield {}, "default"
-    # fn split into bf16 hi / lo once per call (exp/fn-presplit), at the default and at wider chunks
-    for block_c, stages in ((64, 3), (128, 2), (64, 4)):
-        yield dict(presplit=True, block_c=block_c, num_stages=stages), None
+    # fn split into bf16 hi / lo per tile inside the projection (the default splits it once per call)
+    yield dict(presplit=False), None
     for gates_block_t, gates_warps in ((32, 1), (16, 1), (4, 1), (8, 2)):
         yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
     for collapse_block_c in (1024, 4096):
@@ -68,10 +67,6 @@ def _head_backward_variants():
     yield {}, "default"
     for block_c in (512, 1024, 4096):
         yield dict(block_c=block_c), None
-    # grid order (exp/head-bwd-order): C blocks first, or dX as one flat range of BLOCK elements
-    yield dict(order="ct"), None
-    for block in (4096, 8192, 16384):
-        yield dict(order="flat", block_c=block), None
 
 
 def kernel_us(call, reps: int = 5) -> str:
