@@ -166,6 +166,19 @@ def test_backward_finish_matches_reference(triton_kernels, gen, dtype, T, C, ite
     assert_finish_close(outs, case.reference_finish(), dtype)
 
 
+def _tune_variants():
+    from cakeops.bench.tune import _backward_finish_variants
+    return [kw["config"] for kw, _ in _backward_finish_variants() if kw]
+
+
+@pytest.mark.parametrize("config", _tune_variants(), ids=lambda cfg: f"B{cfg.block_t}x{cfg.block_c}w{cfg.warps}"
+                         f"-C{cfg.dfn_block_c}")
+def test_backward_finish_tune_variants(triton_kernels, gen, config):
+    """Every launch shape the tuner times is correct (taller token blocks than T's tail, wider columns than C)."""
+    case = Case(gen, 70, 40, torch.bfloat16, 3)
+    assert_finish_close(case.finish(config=config), case.reference_finish(), torch.bfloat16)
+
+
 def test_backward_finish_max_iters(triton_kernels, gen):
     """64 Sinkhorn iterations: the largest scratch, far from uniform logits, tiny eps."""
     case = Case(gen, 3, 8, torch.float32, 64, "default_eps")

@@ -54,13 +54,13 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    # kernel A is latency-bound (programs per SM, tokens per block); B: programs per SM; the dpre pass
-    for per_sm, block_t in ((8, 8), (32, 8), (16, 16)):
-        yield dict(config=FinishConfig(dlogits_per_sm=per_sm, dlogits_block_t=block_t)), None
-    for per_sm in (3, 6):
-        yield dict(config=FinishConfig(per_sm=per_sm)), None
-    for block_t, block_c, warps in ((16, 128, 4), (64, 128, 8)):
-        yield dict(config=FinishConfig(dpre_block_t=block_t, dpre_block_c=block_c, dpre_warps=warps)), None
+    # kernel B on taller token blocks (fn's columns amortized over more tokens, fewer programs)
+    for block_t, block_c, warps, per_sm in ((32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
+                                            (32, 32, 4, 4), (16, 128, 8, 2), (16, 32, 2, 8)):
+        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
+    # kernel C (dfn): column width and programs per SM
+    for block_c, per_sm in ((128, 2), (256, 1), (512, 1)):
+        yield dict(config=FinishConfig(dfn_block_c=block_c, dfn_per_sm=per_sm)), None
 
 
 def _head_backward_variants():
