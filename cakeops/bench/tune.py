@@ -58,6 +58,9 @@ def _backward_finish_variants():
     for block_t, block_c, warps, per_sm in ((32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
                                             (32, 32, 4, 4), (16, 128, 8, 2), (16, 32, 2, 8)):
         yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
+    # kernel B with fn's columns re-read per token block (registers freed for more programs or columns)
+    for block_c, warps, per_sm in ((64, 4, 4), (64, 4, 6), (128, 8, 2), (128, 4, 4)):
+        yield dict(config=FinishConfig(fn_per_block=True, block_c=block_c, warps=warps, per_sm=per_sm)), None
     # kernel C (dfn): column width and programs per SM
     for block_c, per_sm in ((128, 2), (256, 1), (512, 1)):
         yield dict(config=FinishConfig(dfn_block_c=block_c, dfn_per_sm=per_sm)), None
