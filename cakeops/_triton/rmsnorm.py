@@ -141,24 +141,28 @@ def _rmsnorm_bwd_kernel(
             c1 = tl.zeros([1], dtype=tl.float32)
             for k in range(NUM_CHUNKS):
                 c = cols + k * BLOCK
-                m = c < H
-                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
-                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
-                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+                g, x, w, m = _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H)
                 c1 += tl.sum(g * w * x, axis=1)
             c1 = c1 / H
             for k in range(NUM_CHUNKS):
                 c = cols + k * BLOCK
-                m = c < H
-                g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
-                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
-                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+                g, x, w, m = _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H)
                 dx = rstd * g * w - x * (rstd * rstd * rstd * c1)[:, None]
                 if HAS_GRES:
                     dx += tl.load(GRES + row * stride_gres + c, mask=m, other=0.0).to(tl.float32)
                 tl.store(DX + row * stride_dx + c, dx.to(DX.dtype.element_ty), mask=m)
                 part = DW_OUT + pid * stride_dw + c
                 tl.store(part, tl.load(part, mask=m, other=0.0) + g * x * rstd, mask=m)
+
+
+@triton.jit
+def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
+    """One chunk of a wide row's g, x, w (FP32) and its mask: both passes of the wide-row backward read it."""
+    m = c < H
+    g = tl.load(G + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+    return g, x, w, m
 
 
 @triton.jit
