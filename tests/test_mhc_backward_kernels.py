@@ -171,8 +171,8 @@ def _tune_variants():
     return [kw["config"] for kw, _ in _backward_finish_variants() if kw]
 
 
-@pytest.mark.parametrize("config", _tune_variants(), ids=lambda cfg: f"B{cfg.block_t}x{cfg.block_c}w{cfg.warps}"
-                         f"{'-fn' if cfg.fn_per_block else ''}-C{cfg.dfn_block_c}")
+@pytest.mark.parametrize("config", _tune_variants(), ids=lambda cfg: f"B{cfg.block_t}x{cfg.block_c}w{cfg.warps}p{cfg.per_sm}"
+                         f"-C{cfg.dfn_block_c}-A{cfg.dlogits_per_sm}")
 def test_backward_finish_tune_variants(triton_kernels, gen, config):
     """Every launch shape the tuner times is correct (taller token blocks than T's tail, wider columns than C)."""
     case = Case(gen, 70, 40, torch.bfloat16, 3)

@@ -12,7 +12,6 @@ def _dx_kernel(
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    FN_PER_BLOCK: tl.constexpr,
 ):
     """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks).
 
@@ -28,12 +27,9 @@ def _dx_kernel(
     c_ok = c < C
     m_row = tl.arange(0, M_PAD)[None, :, None]
     m_col = tl.arange(0, M_PAD)[None, None, :]
-    fn_ptrs = FN + m_row * stride_fn + i * C + c
-    fn_i = tl.load(fn_ptrs, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
+    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
-        if FN_PER_BLOCK:  # re-read per block (L1 / L2 hits) instead of held in registers for the whole range
-            fn_i = tl.load(fn_ptrs, mask=(m_row < M) & c_ok, other=0.0)
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)

@@ -84,7 +84,6 @@ class FinishConfig:
     stages: Optional[int] = 2
     per_sm: int = 4              # kernel B: (C chunks) x (token splits) ~ per_sm programs per SM
     splits: Optional[int] = None  # kernel B: token splits; None derives them from per_sm
-    fn_per_block: bool = False   # kernel B: fn's columns loaded per token block, not held in registers
     dfn_block_t: int = 64        # kernel C (dfn): tokens per step of the GEMM's K loop
     dfn_block_c: int = 256       # kernel C: columns of one stream per program
     dfn_warps: int = 4
@@ -218,7 +217,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        FN_PER_BLOCK=cfg.fn_per_block, num_warps=cfg.warps, **_stages(cfg.stages),
+        num_warps=cfg.warps, **_stages(cfg.stages),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),

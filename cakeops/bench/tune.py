@@ -37,11 +37,12 @@ def _prepare_variants():
     yield {}, "default"
     # fn split into bf16 hi / lo per tile inside the projection (the default splits it once per call)
     yield dict(presplit=False), None
-    for gates_block_t, gates_warps in ((32, 1), (16, 1), (4, 1), (8, 2)):
+    # the projection: 128 programs of 128 tokens leave SMs idle; shorter blocks / column slices / deeper pipelines
+    for block_t, warps, stages, block_c, slices in ((64, 4, 3, 64, 1), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1),
+                                                    (128, 8, 6, 32, 1), (128, 8, 3, 64, 2), (64, 4, 4, 32, 1)):
+        yield dict(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices), None
+    for gates_block_t, gates_warps in ((4, 1), (8, 2)):
         yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
-    for collapse_block_c in (1024, 4096):
-        yield dict(collapse_block_c=collapse_block_c), None
-    yield dict(slices=2), None
 
 
 def _backward_prepare_variants():
@@ -54,16 +55,13 @@ def _backward_prepare_variants():
 def _backward_finish_variants():
     from .._triton.mhc_backward_finish import FinishConfig
     yield {}, "default"
-    # kernel B on taller token blocks (fn's columns amortized over more tokens, fewer programs)
-    for block_t, block_c, warps, per_sm in ((32, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
-                                            (32, 32, 4, 4), (16, 128, 8, 2), (16, 32, 2, 8)):
+    # kernel B: programs per SM; taller token blocks and wider columns (all slower on the H200, 2026-11-29:
+    # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
+    for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
         yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
-    # kernel B with fn's columns re-read per token block (registers freed for more programs or columns)
-    for block_c, warps, per_sm in ((64, 4, 4), (64, 4, 6), (128, 8, 2), (128, 4, 4)):
-        yield dict(config=FinishConfig(fn_per_block=True, block_c=block_c, warps=warps, per_sm=per_sm)), None
-    # kernel C (dfn): column width and programs per SM
-    for block_c, per_sm in ((128, 2), (256, 1), (512, 1)):
-        yield dict(config=FinishConfig(dfn_block_c=block_c, dfn_per_sm=per_sm)), None
+    # kernel A: programs per SM; kernel C (dfn): column width
+    yield dict(config=FinishConfig(dlogits_per_sm=8)), None
+    yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
 
 
 def _head_backward_variants():
