@@ -126,6 +126,19 @@ def test_stats_only_is_bitwise_prepare(triton_kernels, gen, T, C, iters, config)
     assert torch.equal(stats[:, STATS_USED:], torch.zeros_like(stats[:, STATS_USED:]))
 
 
+@pytest.mark.parametrize("T, C, want", [
+    (16384, 4096, (128, 64, 8, 3, 1)),  # 128 blocks of 128 tokens: one per multiprocessor
+    (8192, 4096, (128, 64, 8, 3, 2)),   # 64 blocks: the columns in 2 slices
+    (1024, 4096, (64, 64, 4, 2, 8)),    # 8 blocks: 8 slices, then shorter blocks
+    (8192, 16, (64, 16, 4, 2, 1)),      # one column chunk: no slices, shorter blocks
+])
+def test_projection_shape_fills_the_multiprocessors(monkeypatch, T, C, want):
+    from types import SimpleNamespace
+    from cakeops._triton import mhc_prepare
+    monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
+    assert mhc_prepare._project_config(SimpleNamespace(is_cuda=True, device=None), T, C) == want
+
+
 def test_presplit_fn_gives_the_in_kernel_split_bits(triton_kernels, gen):
     """fn split into bf16 hi / lo once per call feeds the same operands to the same dots as the per-tile split."""
     X, fn, scale, base = make_inputs(gen, 40, 100, torch.bfloat16)

@@ -171,28 +171,32 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
 
 
 def _project_config(X: torch.Tensor, T: int, C: int):
-    """Default (BLOCK_T, BLOCK_C, num_warps, num_stages) of the projection kernel.
+    """Default (BLOCK_T, BLOCK_C, num_warps, num_stages, slices) of the projection kernel.
 
     On an H200 (bf16, T = 16384, C = 4096) 128 x 64 tiles, 8 warps, 3 stages were the fastest (sweeps over
     BLOCK_T 32..256, BLOCK_C 32..128, 4/8 warps, 2..5 stages, 1..8 column slices): fn (1.5 MiB) is re-read
-    from L2 by every token block, so large blocks; 256 does not fit the shared memory. Shorter T gets smaller
-    blocks so that about every multiprocessor has a program. The interpreter wants small tiles.
+    from L2 by every token block, so large blocks; 256 does not fit the shared memory. When T has fewer
+    128-token blocks than there are multiprocessors, the columns are split into slices so that every one
+    has a program (T = 8192: 2 slices, projection 124 -> 78 us at C = 4096, 217 -> 128 at C = 7168; halving
+    the blocks instead gave 90 and 150); only past 8 slices do the blocks shrink. The interpreter wants
+    small tiles.
     """
     block_c = max(16, min(64, triton.next_power_of_2(C)))
     if not X.is_cuda:
-        return 16, block_c, 4, None
+        return 16, block_c, 4, None, 1
     sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
     block_t = 128
-    while block_t > 16 and triton.cdiv(T, block_t) < sms // 2:
+    slices = max(1, min(8, sms // triton.cdiv(T, block_t), triton.cdiv(C, block_c)))
+    while block_t > 16 and triton.cdiv(T, block_t) * slices < sms // 2:
         block_t //= 2
-    return block_t, block_c, (8 if block_t >= 128 else 4), (3 if block_t >= 128 else 2)
+    return block_t, block_c, (8 if block_t >= 128 else 4), (3 if block_t >= 128 else 2), slices
 
 
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, slices: int = 1, gates_block_t: int = 8, gates_warps: int = 1,
-            collapse_block_c: Optional[int] = None, presplit: bool = True) -> None:
+            num_stages: Optional[int] = None, slices: Optional[int] = None, gates_block_t: int = 8,
+            gates_warps: int = 1, collapse_block_c: Optional[int] = None, presplit: bool = True) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats. Projection tiles left None take the defaults of ``_project_config``;
@@ -209,11 +213,11 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     M = 2 * n + n * n
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.STATS_WIDTH) and stats.dtype == torch.float32
-    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and slices >= 1
+    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and (slices is None or slices >= 1)
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    d_t, d_c, d_w, d_s = _project_config(X, T, C)
+    d_t, d_c, d_w, d_s, d_slices = _project_config(X, T, C)
     block_t, block_c, num_warps = block_t or d_t, block_c or d_c, num_warps or d_w
-    num_stages = num_stages or d_s
+    num_stages, slices = num_stages or d_s, slices or d_slices
     m_pad = max(16, triton.next_power_of_2(M))
     assert m_pad > M  # column M of a partial row carries the sum of squares
     cols = triton.cdiv(triton.cdiv(C, slices), block_c) * block_c

@@ -1,9 +1,9 @@
 """``python -m cakeops.bench.tune [--ops OPS] [--out DIR]``: sweep the launch shapes of the mHC kernels
 (prepare, backward_prepare, backward_finish, head_backward) on a GPU, check every variant against the default's
-outputs, and print the fastest.
+outputs, and print the fastest (with each kernel's GPU time).
 
 One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
-defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096, bf16, sinkhorn_iters=20.
+defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096 unless --T / --C; bf16, sinkhorn_iters=20.
 """
 import argparse
 import dataclasses
@@ -17,11 +17,10 @@ import torch
 from ..testing import rel_err
 from .core import gbps, median_ms
 
-T, C = 16384, 4096
 HP = (1e-5, 1e-6, 20)
 
 
-def _inputs(device):
+def _inputs(device, T: int, C: int):
     g = torch.Generator(device=device).manual_seed(0)
     X = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
     fn = torch.randn(24, 4 * C, device=device, generator=g) / (4 * C) ** 0.5
@@ -38,8 +37,8 @@ def _prepare_variants():
     # fn split into bf16 hi / lo per tile inside the projection (the default splits it once per call)
     yield dict(presplit=False), None
     # the projection: 128 programs of 128 tokens leave SMs idle; shorter blocks / column slices / deeper pipelines
-    for block_t, warps, stages, block_c, slices in ((64, 4, 3, 64, 1), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1),
-                                                    (128, 8, 6, 32, 1), (128, 8, 3, 64, 2), (64, 4, 4, 32, 1)):
+    for block_t, warps, stages, block_c, slices in ((128, 8, 3, 64, 1), (128, 8, 3, 64, 2), (64, 4, 3, 64, 1),
+                                                    (64, 4, 2, 64, 2), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1)):
         yield dict(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices), None
     for gates_block_t, gates_warps in ((4, 1), (8, 2)):
         yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
@@ -97,6 +96,7 @@ def sweep(op, device, inputs):
     from .._triton import mhc_backward, mhc_prepare
 
     X, fn, scale, base, dY, B, dU = inputs
+    T, _, C = X.shape
     stats = torch.empty(T, 64, device=device)
     U = torch.empty(T, C, device=device, dtype=X.dtype)
     mhc_prepare.prepare(X, fn, scale, base, *HP, stats, U)
@@ -158,12 +158,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="prepare,backward_prepare,backward_finish,head_backward")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--T", type=int, default=16384, help="tokens (default 16384)")
+    p.add_argument("--C", type=int, default=4096, help="hidden size per stream (default 4096)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune needs a CUDA device: it times launch shapes (nothing to learn from the CPU)")
         return 0
     device = torch.device("cuda")
-    inputs = _inputs(device)
+    inputs = _inputs(device, args.T, args.C)
     rows = []
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
         rows += sweep(op, device, inputs)
