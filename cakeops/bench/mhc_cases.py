@@ -162,10 +162,21 @@ def _layer_leaves(s):
 
 
 def _layer(s):
-    X, fn, scale, base = _layer_leaves(s)
+    leaves = _layer_leaves(s)
+    return torch.autograd.grad(_layer_forward(*leaves), leaves, s.dY)
+
+
+def _layer_forward(X, fn, scale, base):
     U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, **HP)
-    Y = mhc.cake_mhc_train_finish(X, U, handle)
-    return torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
+    return mhc.cake_mhc_train_finish(X, U, handle)
+
+
+def _layer_compiled_cakeops(s):
+    """The same layer as a torch.compile user runs it: forward traced whole (fullgraph) through the custom ops,
+    backward from AOTAutograd's graph; what the edges cost there shows up against the eager row."""
+    leaves = _layer_leaves(s)
+    Y = torch.compile(_layer_forward, dynamic=False, fullgraph=True)(*leaves)
+    return torch.autograd.grad(Y, leaves, s.dY)
 
 
 def _layer_math(X, fn, scale, base, dY):
@@ -194,13 +205,12 @@ def _layer_memory(s):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, **HP)
-    Y = mhc.cake_mhc_train_finish(X, U, handle)
+    Y = _layer_forward(X, fn, scale, base)
     kept = torch.cuda.memory_allocated() - before - Y.nbytes
     torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
     peak = torch.cuda.max_memory_allocated() - before
     stats_bytes = X.shape[0] * layout.STATS_WIDTH * 4
-    return {"kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {U.nbytes / 2**20:.1f} MiB, "
+    return {"kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {X.nbytes / X.shape[1] / 2**20:.1f} MiB, "
                                           f"stats {stats_bytes / 2**20:.1f} MiB; X is {X.nbytes / 2**20:.1f} MiB)",
             "peak extra during fwd+bwd": f"{peak / 2**20:.1f} MiB"}
 
@@ -230,7 +240,8 @@ def _cases():
         for i, size in enumerate(SHAPES):
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
                        peers=peers(eager), tiny=TINY, quick=i == 0)
-    layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled}
+    layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled,
+                   "cakeops under torch.compile": _layer_compiled_cakeops}
     for i, size in enumerate(SHAPES[:2]):
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
                    nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
