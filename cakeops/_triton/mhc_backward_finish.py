@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
+from .._backend import interpreting
 from .launch import persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
@@ -84,6 +85,7 @@ class FinishConfig:
     stages: Optional[int] = 2
     per_sm: int = 4              # kernel B: (C chunks) x (token splits) ~ per_sm programs per SM
     splits: Optional[int] = None  # kernel B: token splits; None derives them from per_sm
+    maxnreg: Optional[int] = None  # kernel B: register cap per thread (more resident programs, maybe spills)
     dfn_block_t: int = 64        # kernel C (dfn): tokens per step of the GEMM's K loop
     dfn_block_c: int = 256       # kernel C: columns of one stream per program
     dfn_warps: int = 4
@@ -154,6 +156,11 @@ def _stages(stages: Optional[int]) -> dict:
     return {} if stages is None else {"num_stages": stages}
 
 
+def _register_cap(maxnreg: Optional[int]) -> dict:
+    # a compile option of the CUDA backend; the interpreter has no registers to cap
+    return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 data: three-pass TF32 (near-fp32 products; a single TF32 pass moved dscale by 3.5e-3 on H200,
     # over SPEC's 2e-3). 16-bit data is exact in TF32 and its tolerance is 1e-2.
@@ -217,7 +224,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        num_warps=cfg.warps, **_stages(cfg.stages),
+        num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),

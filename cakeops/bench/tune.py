@@ -58,6 +58,9 @@ def _backward_finish_variants():
     # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
     for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
         yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
+    # kernel B with its registers capped so that more programs are resident
+    for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
+        yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
     # kernel A: programs per SM; kernel C (dfn): column width
     yield dict(config=FinishConfig(dlogits_per_sm=8)), None
     yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
@@ -67,6 +70,30 @@ def _head_backward_variants():
     yield {}, "default"
     for block_c in (512, 1024, 4096):
         yield dict(block_c=block_c), None
+
+
+def kernel_regs(call) -> str:
+    """Registers (and spills) per thread of each Triton kernel `call` launches, e.g. "_dx_kernel 168r"."""
+    from triton.runtime.jit import JITFunction
+
+    seen, run = {}, JITFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        kernel = run(self, *args, **kwargs)
+        regs, spills = getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)
+        if regs is not None:
+            seen[getattr(self, "__name__", "?")] = f"{regs}r" + (f"+{spills}spill" if spills else "")
+        return kernel
+
+    JITFunction.run = recording_run
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as exc:  # a diagnostic: never the reason a variant fails
+        return f"? ({type(exc).__name__})"
+    finally:
+        JITFunction.run = run
+    return " | ".join(f"{name} {regs}" for name, regs in seen.items())
 
 
 def kernel_us(call, reps: int = 5) -> str:
@@ -144,12 +171,12 @@ def sweep(op, device, inputs):
             err = max(rel_err(o, r) for o, r in zip(outs, reference))
             ms = median_ms(call)
             rows.append({"op": op, "variant": name or _label(kw), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err,
-                         "kernels_us": kernel_us(call)})
+                         "kernels_us": kernel_us(call), "registers": kernel_regs(call)})
         except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported, not fatal
             rows.append({"op": op, "variant": name or _label(kw), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
         r = rows[-1]
         print(f"{op:17s} {r['variant']:70s} " + (f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}"
-                                                 f"\n{'':19s}us: {r['kernels_us']}" if "ms" in r else r["error"]),
+                                                 f"\n{'':19s}us: {r['kernels_us']}\n{'':19s}regs: {r['registers']}" if "ms" in r else r["error"]),
               flush=True)
     return rows
 
