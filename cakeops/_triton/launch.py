@@ -1,10 +1,23 @@
-"""What every launcher needs to size its grid: tile shapes, warps, the persistent-grid width."""
+"""What every launcher needs to size its grid: tile shapes, warps, the persistent-grid width.
+
+Host arithmetic is plain Python: ``triton.cdiv`` / ``triton.next_power_of_2`` are constexpr-function wrappers
+that cost microseconds per call, and a layer's launchers made ~35 such calls per forward + backward.
+"""
 import functools
 
 import torch
 import triton
 
 from .. import _backend
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0, as triton's)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
 def tile_config(width: int, elem_bytes: int, tile_elems: int = 4096, thread_bytes: int = 32,
@@ -15,11 +28,11 @@ def tile_config(width: int, elem_bytes: int, tile_elems: int = 4096, thread_byte
     walked in chunks. Narrow rows are packed several to a program so each program moves ``tile_elems``
     elements; warps are chosen so each thread holds ``thread_bytes`` of each tensor.
     """
-    block = min(triton.next_power_of_2(max(width, 1)), max_tile)
-    chunks = triton.cdiv(width, block)
+    block = min(next_power_of_2(max(width, 1)), max_tile)
+    chunks = cdiv(width, block)
     rows = max(1, min(64, tile_elems // block)) if chunks == 1 else 1
     per_thread = max(1, thread_bytes // elem_bytes)
-    warps = triton.next_power_of_2(max(1, min(16, rows * block // (32 * per_thread))))
+    warps = next_power_of_2(max(1, min(16, rows * block // (32 * per_thread))))
     return rows, block, chunks, warps
 
 

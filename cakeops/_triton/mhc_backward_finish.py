@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ..meta import mhc_layout as layout
 from .._backend import interpreting
-from .launch import persistent_programs
+from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
 from .rmsnorm import _sum_partials_kernel
@@ -110,13 +110,13 @@ class _Split(NamedTuple):
 
 def _split(device, T: int, C: int, block_t: int, block_c: int, per_sm: int, splits: Optional[int],
            streams: int = 1) -> _Split:
-    block_c = max(16, min(block_c, triton.next_power_of_2(C)))
-    columns = streams * triton.cdiv(C, block_c)
-    token_blocks = triton.cdiv(T, block_t)
+    block_c = max(16, min(block_c, next_power_of_2(C)))
+    columns = streams * cdiv(C, block_c)
+    token_blocks = cdiv(T, block_t)
     if splits is None:
         splits = max(1, persistent_programs(device, columns * token_blocks, per_sm) // columns)
-    blocks_per_split = triton.cdiv(token_blocks, max(1, min(splits, token_blocks)))
-    return _Split(block_c, columns, triton.cdiv(token_blocks, blocks_per_split), blocks_per_split)
+    blocks_per_split = cdiv(token_blocks, max(1, min(splits, token_blocks)))
+    return _Split(block_c, columns, cdiv(token_blocks, blocks_per_split), blocks_per_split)
 
 
 class _Plan(NamedTuple):
@@ -133,14 +133,14 @@ class _Plan(NamedTuple):
 def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool, cfg: FinishConfig) -> _Plan:
     n, M = layout.N_STREAMS, layout.N_LOGITS
     slot = (2 * iters - 1) * cfg.dlogits_block_t * n * n * 4  # bytes of one program's Sinkhorn scratch
-    a_programs = max(1, min(persistent_programs(device, triton.cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
+    a_programs = max(1, min(persistent_programs(device, cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
                             SCRATCH_BUDGET_BYTES // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
-    dpre_block_c = max(16, min(cfg.dpre_block_c, triton.next_power_of_2(C)))
-    dpre_cols = triton.cdiv(triton.cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
+    dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
+    dpre_cols = cdiv(cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
     sizes = (T * M_PAD, a_programs * 2 * M_PAD, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             dfn.splits * M * n * C if deterministic else 0, triton.cdiv(C, dpre_cols) * T * n)
+             dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n)
     return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
 
 
@@ -204,8 +204,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         for g in (dfn, dscale, dbase):
             g.zero_()
     precision = cfg.input_precision or _precision(X.dtype)
-    dpre_slices = triton.cdiv(C, plan.dpre_cols)
-    _dpre_kernel[(triton.cdiv(T, cfg.dpre_block_t), dpre_slices)](
+    dpre_slices = cdiv(C, plan.dpre_cols)
+    _dpre_kernel[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
         X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
         N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=plan.dpre_block_c, num_warps=cfg.dpre_warps,
     )
@@ -215,7 +215,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
-        block_p = min(1024, triton.next_power_of_2(plan.dlogits_programs))
+        block_p = min(1024, next_power_of_2(plan.dlogits_programs))
         _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
                                     ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=16 if block_p >= 512 else 4)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
@@ -233,8 +233,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     )
     if not atomic:
         width = M * n * C
-        sum_block = min(1024, triton.next_power_of_2(width))
-        _sum_partials_kernel[(triton.cdiv(width, sum_block),)](
+        sum_block = min(1024, next_power_of_2(width))
+        _sum_partials_kernel[(cdiv(width, sum_block),)](
             dfn_part, dfn, plan.dfn.splits, width, width, ACCUMULATE=accumulate, BLOCK_P=8, BLOCK=sum_block,
             num_warps=4,
         )

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..meta import mhc_layout as layout
+from .launch import next_power_of_2
 from .mhc_columns import (
     POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED,
     GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH,
@@ -97,7 +98,7 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     if num_warps is None:
         num_warps = 4 if C >= 1024 else 1
     if block_c is None:
-        block_c = max(vec, min(32 * vec * num_warps, triton.next_power_of_2(C)))
+        block_c = max(vec, min(32 * vec * num_warps, next_power_of_2(C)))
     _backward_prepare_kernel[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
         dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),

@@ -27,7 +27,7 @@ from .mhc_columns import (
     STATS_WIDTH as _STATS_WIDTH,
 )
 from .._backend import interpreting
-from .launch import persistent_programs
+from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_streams import collapse
 
 
@@ -181,13 +181,13 @@ def _project_config(X: torch.Tensor, T: int, C: int):
     the blocks instead gave 90 and 150); only past 8 slices do the blocks shrink. The interpreter wants
     small tiles.
     """
-    block_c = max(16, min(64, triton.next_power_of_2(C)))
+    block_c = max(16, min(64, next_power_of_2(C)))
     if not X.is_cuda:
         return 16, block_c, 4, None, 1
     sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
     block_t = 128
-    slices = max(1, min(8, sms // triton.cdiv(T, block_t), triton.cdiv(C, block_c)))
-    while block_t > 16 and triton.cdiv(T, block_t) * slices < sms // 2:
+    slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
+    while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
         block_t //= 2
     return block_t, block_c, (8 if block_t >= 128 else 4), (3 if block_t >= 128 else 2), slices
 
@@ -218,16 +218,16 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     d_t, d_c, d_w, d_s, d_slices = _project_config(X, T, C)
     block_t, block_c, num_warps = block_t or d_t, block_c or d_c, num_warps or d_w
     num_stages, slices = num_stages or d_s, slices or d_slices
-    m_pad = max(16, triton.next_power_of_2(M))
+    m_pad = max(16, next_power_of_2(M))
     assert m_pad > M  # column M of a partial row carries the sum of squares
-    cols = triton.cdiv(triton.cdiv(C, slices), block_c) * block_c
-    part = torch.empty(triton.cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
+    cols = cdiv(cdiv(C, slices), block_c) * block_c
+    part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
     presplit = presplit and X.dtype == torch.bfloat16
     w = fn
     if presplit:
         w = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device)
-        _split_fn_kernel[(M, triton.cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
-    _project_kernel[(triton.cdiv(T, block_t), part.shape[0])](
+        _split_fn_kernel[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
+    _project_kernel[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit,
@@ -235,7 +235,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    _gates_kernel[(triton.cdiv(T, gates_block_t),)](
+    _gates_kernel[(cdiv(T, gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, BLOCK_T=gates_block_t, num_warps=gates_warps,
     )

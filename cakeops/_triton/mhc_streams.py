@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
+from .launch import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _stream_block(C: int, block_c: Optional[int]):
     """(BLOCK_C, num_warps) of the one-pass stream kernels: 16-byte accesses, up to 2048 columns per program
     (H200, bf16, C = 4096: 2048 measured 1-2% above 1024 for finish and head)."""
     if block_c is None:
-        block_c = min(2048, triton.next_power_of_2(C))
+        block_c = min(2048, next_power_of_2(C))
     return block_c, max(1, min(8, block_c // 256))
 
 
@@ -93,7 +94,7 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
         return
     assert X.stride(2) == 1 and B.stride(1) == 1 and Y.stride(2) == 1 and stats.is_contiguous()
     block_c, warps = _stream_block(C, block_c)
-    _finish_kernel[(T, triton.cdiv(C, block_c))](
+    _finish_kernel[(T, cdiv(C, block_c))](
         X, B, stats, Y, C, X.stride(0), X.stride(1), B.stride(0), Y.stride(0), Y.stride(1),
         N=n, BLOCK_C=block_c, num_warps=warps,
     )
@@ -116,7 +117,7 @@ def _collapse(X, stats, Y, block_c):
         return
     assert X.stride(2) == 1 and Y.stride(1) == 1
     block_c, warps = _stream_block(C, block_c)
-    _collapse_kernel[(T, triton.cdiv(C, block_c))](
+    _collapse_kernel[(T, cdiv(C, block_c))](
         X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0),
         N=n, WEIGHTED=stats is not None, BLOCK_C=block_c, num_warps=warps,
     )
@@ -129,7 +130,7 @@ def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block
         return
     assert dY.shape == (T, C) and dY.stride(1) == 1 and dX.stride(2) == 1
     block_c, warps = _stream_block(C, block_c)
-    c_blocks = triton.cdiv(C, block_c)
+    c_blocks = cdiv(C, block_c)
     _head_backward_kernel[(T * c_blocks,)](
         dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1), c_blocks,
         N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, num_warps=warps,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import persistent_programs, tile_config
+from .launch import cdiv, next_power_of_2, persistent_programs, tile_config
 
 
 @triton.jit
@@ -193,7 +193,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
                                              thread_bytes=32 if has_res else 128)
     r = residual if has_res else x
     h = h_out if has_res else y
-    _rmsnorm_fwd_kernel[(triton.cdiv(T, rows),)](
+    _rmsnorm_fwd_kernel[(cdiv(T, rows),)](
         x, r, w, y, h, rstd, T, H, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
         HAS_RESIDUAL=has_res, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
     )
@@ -203,7 +203,7 @@ def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int):
     """(rows, block, chunks, warps, programs) of the persistent backward. Measured on H200 (bf16, H = 4096
     and 8192): 16 elements per thread and 16 warps per SM -- 2 programs of 8 warps or 1 of 16."""
     rows, block, chunks, warps = tile_config(H, elem_bytes)
-    programs = persistent_programs(device, triton.cdiv(max(T, 1), rows), per_sm=max(1, 16 // warps))
+    programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, 16 // warps))
     return rows, block, chunks, warps, programs
 
 
@@ -248,7 +248,7 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """out (+)= partials.sum(0) in a fixed order. Narrow column blocks: many programs, each a short walk."""
     P, H = partials.shape
-    block = min(128, triton.next_power_of_2(H))
-    _sum_partials_kernel[(triton.cdiv(H, block),)](
+    block = min(128, next_power_of_2(H))
+    _sum_partials_kernel[(cdiv(H, block),)](
         partials, out, P, H, partials.stride(0), ACCUMULATE=accumulate, BLOCK_P=32, BLOCK=block, num_warps=4,
     )

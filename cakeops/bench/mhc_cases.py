@@ -171,12 +171,17 @@ def _layer_forward(X, fn, scale, base):
     return mhc.cake_mhc_train_finish(X, U, handle)
 
 
-def _layer_compiled_cakeops(s):
+@functools.lru_cache(maxsize=None)
+def _compiled_layer_forward(mode):
+    return torch.compile(_layer_forward, dynamic=False, fullgraph=True, mode=mode)
+
+
+def _layer_compiled_cakeops(s, mode=None):
     """The same layer as a torch.compile user runs it: forward traced whole (fullgraph) through the custom ops,
-    backward from AOTAutograd's graph; what the edges cost there shows up against the eager row."""
+    backward from AOTAutograd's graph. Same kernels as the eager row; the difference is host time (Dynamo
+    guards, AOTAutograd's runtime wrappers), which "reduce-overhead" (CUDA graphs) removes."""
     leaves = _layer_leaves(s)
-    Y = torch.compile(_layer_forward, dynamic=False, fullgraph=True)(*leaves)
-    return torch.autograd.grad(Y, leaves, s.dY)
+    return torch.autograd.grad(_compiled_layer_forward(mode)(*leaves), leaves, s.dY)
 
 
 def _layer_math(X, fn, scale, base, dY):
@@ -241,7 +246,9 @@ def _cases():
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
                        peers=peers(eager), tiny=TINY, quick=i == 0)
     layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled,
-                   "cakeops under torch.compile": _layer_compiled_cakeops}
+                   "cakeops under torch.compile": _layer_compiled_cakeops,
+                   "cakeops under torch.compile, CUDA graphs": functools.partial(_layer_compiled_cakeops,
+                                                                                mode="reduce-overhead")}
     for i, size in enumerate(SHAPES[:2]):
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
                    nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
