@@ -18,7 +18,7 @@ def _dx_kernel(
     Tiles are [N, BLOCK_T, BLOCK_C], the stream axis first: the compiler puts one warp on each stream, so the
     per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
     once per warp; the projection is one batched dot [N, BLOCK_T, M_PAD] @ [N, M_PAD, BLOCK_C] that takes the
-    elementwise terms as its accumulator (for sm_90: 168 registers, no spill, 3 layout conversions per block).
+    elementwise terms as its accumulator (H200, triton 3.6: 128 registers, no spill; 4 programs of 4 warps per SM).
     """
     M = 2 * N + N * N
     i = tl.arange(0, N)[:, None, None]
