@@ -1,5 +1,7 @@
 """mHC under torch.library.opcheck and torch.compile: every op opcheck-clean, a layer with an MLP branch traced
 fullgraph with gradients equal to eager, dynamic T, and the AOT graphs (one dX producer, no copies)."""
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -164,3 +166,48 @@ def test_edges_hold_and_write_one_element(T):
     for e in (e_dy, e_gs):
         assert set(e.stride()) == {0} and e.untyped_storage().nbytes() <= e.element_size()
         assert torch.count_nonzero(e) == 0
+
+
+def test_inductor_runs_the_four_ops_and_nothing_else():
+    """What Inductor actually runs for a layer with an identity branch, forward and backward: the four cakeops
+    ops in order, no kernel of its own, no copy of any input, tangent or edge (the edges cost no traffic)."""
+    X, fn, scale, base = _inputs(4, 8, torch.bfloat16, True, seed=5)
+
+    def layer(X, fn, scale, base):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])
+        return cake_mhc_train_finish(X, U, handle)
+
+    assert _inductor_calls(layer, X, fn, scale, base) == [
+        "torch.ops.cakeops.mhc_prepare.default", "torch.ops.cakeops.mhc_finish.default",
+        "torch.ops.cakeops.mhc_backward_prepare.default", "torch.ops.cakeops.mhc_backward_finish.default"]
+
+    def with_branch(X, fn, scale, base):  # the check sees Inductor's own kernels when there are some
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])
+        return cake_mhc_train_finish(X, torch.tanh(U), handle)
+
+    assert len(_inductor_calls(with_branch, X, fn, scale, base)) > 4
+
+
+# Helpers of Inductor's generated wrapper that launch nothing (allocation, layout asserts, streams, devices).
+_WRAPPER_HELPERS = re.compile(r"(assert_size_stride|assert_alignment|empty_strided\w*|reinterpret_tensor|"
+                              r"get_raw_stream|torch\.cuda\.\w+|torch\._C\.\w+|buf\w*\.\w+|args\.clear|len)$")
+
+
+def _inductor_calls(fn, *args):
+    """Every call Inductor's wrappers make in fn's forward + backward, helpers that launch nothing left out."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    _, codes = run_and_get_code(lambda: compiled(*args).backward(torch.randn_like(args[0])))
+    calls = []
+    for code in codes:
+        lines = code[code.index("def call("):].splitlines()
+        indent = len(lines[0]) - len(lines[0].lstrip())
+        for line in lines[1:]:
+            if line.strip() and len(line) - len(line.lstrip()) <= indent:
+                break  # the end of call()
+            m = re.match(r"\s+(?:\w+ = )?([A-Za-z_][\w.]*)\(", line)
+            if m and not _WRAPPER_HELPERS.match(m.group(1)):
+                calls.append(m.group(1))
+    return calls
