@@ -6,7 +6,6 @@ that cost microseconds per call, and a layer's launchers made ~35 such calls per
 import functools
 
 import torch
-import triton
 
 from .. import _backend
 

@@ -1,16 +1,17 @@
 """mHC forward_prepare / forward_stats: the stats record (rstd, mix, pre, post, comb) and the collapse U.
 
-Three launches, each with the parallelism its work needs (H200, bf16, T=16384, C=4096; docs/perf.md):
+Four launches, each with the parallelism its work needs (H200, bf16, T=16384, C=4096; docs/perf.md):
 
+* ``_split_fn_kernel`` (bf16 X): fn into bf16 hi / lo halves, once per call (2 us).
 * ``_project_kernel``, per block of 128 tokens (x column slices): the projection fn @ x on tensor cores and
-  the sum of x^2, one pass over X (165 us: fn is re-read per token block, so big blocks).
+  the sum of x^2, one pass over X (140-146 us: fn is re-read per token block, so big blocks).
 * ``_gates_kernel``, per block of 8 tokens: the slices summed in order, rstd, mix, the gates and the n x n
   Sinkhorn, written to the record (11 us: latency-bound, so many small programs).
 * the collapse U = sum_i pre_i * X_i, a one-pass stream kernel (mhc_streams.collapse, 156 us).
 
 One kernel doing all of it per token block measured 0.39 ms against 0.34: its Sinkhorn ran as a tail after
 the projection on every multiprocessor at once, and its second pass over the block missed the L2 anyway.
-forward_stats is the first two launches, so its record is bitwise forward_prepare's. Record layout:
+forward_stats is all but the collapse, so its record is bitwise forward_prepare's. Record layout:
 cakeops/meta/mhc_layout.py. FP32 inside, IEEE division and square root, every output rounded once. Launchers
 do no argument validation (the public layer does); X is [T, n, C] with unit stride along C and any token /
 stream strides.

@@ -172,17 +172,17 @@ def _layer_forward(X, fn, scale, base):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_layer_forward(mode):
-    return torch.compile(_layer_forward, dynamic=False, fullgraph=True, mode=mode)
+def _compiled_layer_forward():
+    return torch.compile(_layer_forward, dynamic=False, fullgraph=True)
 
 
-def _layer_compiled_cakeops(s, mode=None):
+def _layer_compiled_cakeops(s):
     """The same layer as a torch.compile user runs it: forward traced whole (fullgraph) through the custom ops,
     backward from AOTAutograd's graph. Same kernels as the eager row; the difference is host time (Dynamo
     guards, AOTAutograd's runtime wrappers, the custom ops' dispatch). Not timed with CUDA graphs here: with
     X and dY as graph inputs, "reduce-overhead" copies both into its static buffers on every replay."""
     leaves = _layer_leaves(s)
-    return torch.autograd.grad(_compiled_layer_forward(mode)(*leaves), leaves, s.dY)
+    return torch.autograd.grad(_compiled_layer_forward()(*leaves), leaves, s.dY)
 
 
 def _layer_math(X, fn, scale, base, dY):
