@@ -175,3 +175,13 @@ def test_layer_profile_lists_the_layer_ops_and_writes_a_trace(tmp_path, capsys):
         assert (again / "layer_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         profile.main(["--replot", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+
+
+def test_tune_match_keeps_the_default_and_the_matching_variants():
+    from cakeops.bench.tune import _backward_finish_variants, _label, selected
+    every = list(_backward_finish_variants())
+    picked = list(selected(every, "per_sm=3"))
+    assert picked[0][1] == "default"
+    assert len(picked) >= 2 and all("per_sm=3" in _label(kw) for kw, _ in picked[1:])
+    assert len(picked) < len(every)
+    assert list(selected(every, "")) == every

@@ -7,10 +7,13 @@ Four launches, each with the parallelism its work needs (H200, bf16, T=16384, C=
   the sum of x^2, one pass over X (140-146 us: fn is re-read per token block, so big blocks).
 * ``_gates_kernel``, per block of 8 tokens: the slices summed in order, rstd, mix, the gates and the n x n
   Sinkhorn, written to the record (11 us: latency-bound, so many small programs).
-* the collapse U = sum_i pre_i * X_i, a one-pass stream kernel (mhc_streams.collapse, 156 us).
+* the collapse U = sum_i pre_i * X_i, a one-pass stream kernel (mhc_streams.collapse, 150 us).
 
 One kernel doing all of it per token block measured 0.39 ms against 0.34: its Sinkhorn ran as a tail after
 the projection on every multiprocessor at once, and its second pass over the block missed the L2 anyway.
+One launch with column slices (tickets: the last slice of a block runs its gates, the collapse of block b - D
+waits for them and re-reads X from L2) measured 0.55 ms at best against 0.32 (2026-11-29, docs/perf.md): a
+block's gates take longer than the L2 keeps its X (D x 4 MiB of later reads), so programs wait or miss.
 forward_stats is all but the collapse, so its record is bitwise forward_prepare's. Record layout:
 cakeops/meta/mhc_layout.py. FP32 inside, IEEE division and square root, every output rounded once. Launchers
 do no argument validation (the public layer does); X is [T, n, C] with unit stride along C and any token /

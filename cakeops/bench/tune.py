@@ -119,7 +119,15 @@ def _label(kw):
     return " ".join(f"{k}={v}" for k, v in kw.items())
 
 
-def sweep(op, device, inputs):
+def selected(variants, match: str = ""):
+    """The default and the variants whose label contains ``match`` (all when empty): a short lease on a GPU
+    measures the candidates it came for."""
+    for kw, name in variants:
+        if not match or name == "default" or match in _label(kw):
+            yield kw, name
+
+
+def sweep(op, device, inputs, match: str = ""):
     from .._triton import mhc_backward, mhc_prepare
 
     X, fn, scale, base, dY, B, dU = inputs
@@ -163,7 +171,7 @@ def sweep(op, device, inputs):
             call()
             return call, outs
     rows, reference = [], None
-    for kw, name in variants:
+    for kw, name in selected(variants, match):
         try:
             call, outs = run(kw)
             if reference is None:
@@ -187,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--T", type=int, default=16384, help="tokens (default 16384)")
     p.add_argument("--C", type=int, default=4096, help="hidden size per stream (default 4096)")
+    p.add_argument("--match", default="", help="only the variants whose label contains this (and the default)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune needs a CUDA device: it times launch shapes (nothing to learn from the CPU)")
@@ -195,7 +204,7 @@ def main(argv=None) -> int:
     inputs = _inputs(device, args.T, args.C)
     rows = []
     for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
-        rows += sweep(op, device, inputs)
+        rows += sweep(op, device, inputs, args.match)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(rows, indent=1))
     print("\nfastest per op (max rel diff vs the default <= 1e-2):")
