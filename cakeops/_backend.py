@@ -35,3 +35,16 @@ def cpu_kernels(kind: str):
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_device(t: torch.Tensor):
+    """A context in which Triton kernels for ``t`` launch on ``t``'s GPU.
+
+    Triton launches on the *current* CUDA device and its current stream, whatever device the pointers live on:
+    with a tensor on cuda:1 while cuda:0 is current (model-parallel code, a second GPU in a notebook) the kernel
+    would run on the wrong GPU. A no-op (no device switch, ~0.3 us) in the common case where the device is
+    already current.
+    """
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

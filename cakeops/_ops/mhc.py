@@ -41,7 +41,8 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
         U = torch.empty((T, C), dtype=X.dtype, device=X.device)
     if _backend.use_triton(X):
         from .._triton import mhc_forward as kernels
-        kernels.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U if write_U else None)
+        with _backend.kernel_device(X):
+            kernels.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U if write_U else None)
     else:
         ref_U, ref_stats = reference.forward_prepare(X, fn, scale, base, rms_eps, hc_eps, iters)
         stats.copy_(ref_stats)
@@ -55,7 +56,8 @@ def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None)
     Y = torch.empty(X.shape, dtype=X.dtype, device=X.device) if Y is None else Y
     if _backend.use_triton(X):
         from .._triton import mhc_forward as kernels
-        kernels.finish(X, B, stats, Y)
+        with _backend.kernel_device(X):
+            kernels.finish(X, B, stats, Y)
     else:
         Y.copy_(reference.forward_finish(X, B, stats))
     return Y
@@ -67,7 +69,8 @@ def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
     Y = torch.empty((T, C), dtype=X.dtype, device=X.device) if Y is None else Y
     if _backend.use_triton(X):
         from .._triton import mhc_forward as kernels
-        kernels.head_forward(X, Y)
+        with _backend.kernel_device(X):
+            kernels.head_forward(X, Y)
     else:
         Y.copy_(reference.head_forward(X))
     return Y
@@ -81,7 +84,8 @@ def head_backward_impl(dY: Tensor, n: int, dX: Optional[Tensor] = None, accumula
         accumulate = False
     if _backend.use_triton(dY):
         from .._triton import mhc_forward as kernels
-        kernels.head_backward(dY, dX, accumulate)
+        with _backend.kernel_device(dY):
+            kernels.head_backward(dY, dX, accumulate)
     elif accumulate:
         dX.copy_((dX.float() + dY.float()[:, None, :] / n).to(dX.dtype))
     else:
@@ -98,7 +102,8 @@ def backward_prepare_impl(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, dB: O
     dY, B, X, stats = unit_last(dY), unit_last(B), unit_last(X), unit_last(stats)
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
-        kernels.backward_prepare(dY, B, X, stats, dB, grad_stats)
+        with _backend.kernel_device(X):
+            kernels.backward_prepare(dY, B, X, stats, dB, grad_stats)
     else:
         ref_dB, ref_gs = reference.backward_prepare(dY, B, X, stats)
         dB.copy_(ref_dB)
@@ -123,8 +128,9 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
         unit_last(t) for t in (X, dY, dU, fn, scale, base, stats, grad_stats))
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
-        kernels.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters,
-                                dX, dfn, dscale, dbase, deterministic=deterministic, accumulate=accumulate)
+        with _backend.kernel_device(X):
+            kernels.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters,
+                                    dX, dfn, dscale, dbase, deterministic=deterministic, accumulate=accumulate)
     else:
         outs = reference.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters)
         dX.copy_(outs[0])

@@ -29,7 +29,8 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
         h_out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if _backend.use_triton(x):
         from .._triton import rmsnorm as kernels
-        kernels.forward(x, w, eps, y, rstd, residual, h_out)
+        with _backend.kernel_device(x):
+            kernels.forward(x, w, eps, y, rstd, residual, h_out)
     else:
         outs = reference.forward(x, w, eps, residual)
         y.copy_(outs[0])
@@ -51,7 +52,8 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
     dw = torch.empty((H,), dtype=torch.float32, device=x.device) if dw is None else dw
     if _backend.use_triton(x):
         from .._triton import rmsnorm as kernels
-        kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+        with _backend.kernel_device(x):
+            kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
     else:
         ref_dx, ref_dw = reference.backward(g, x, w, rstd, g_residual)
         dx.copy_(ref_dx)
