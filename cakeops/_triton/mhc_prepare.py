@@ -12,8 +12,9 @@ Four launches, each with the parallelism its work needs (H200, bf16, T=16384, C=
 One kernel doing all of it per token block measured 0.39 ms against 0.34: its Sinkhorn ran as a tail after
 the projection on every multiprocessor at once, and its second pass over the block missed the L2 anyway.
 One launch with column slices (tickets: the last slice of a block runs its gates, the collapse of block b - D
-waits for them and re-reads X from L2) measured 0.55 ms at best against 0.32 (2026-11-29, docs/perf.md): a
-block's gates take longer than the L2 keeps its X (D x 4 MiB of later reads), so programs wait or miss.
+waits for them and re-reads X from L2) measured 0.44 ms at best against 0.32, and 0.57 even when nobody waits
+(2026-11-29, docs/perf.md): one kernel gives both phases one register budget (182: one program per SM), and the
+collapse phase then has too few bytes in flight; with short deferrals the gates also outlast X's stay in L2.
 forward_stats is all but the collapse, so its record is bitwise forward_prepare's. Record layout:
 cakeops/meta/mhc_layout.py. FP32 inside, IEEE division and square root, every output rounded once. Launchers
 do no argument validation (the public layer does); X is [T, n, C] with unit stride along C and any token /
