@@ -185,3 +185,22 @@ def test_tune_match_keeps_the_default_and_the_matching_variants():
     assert len(picked) >= 2 and all("per_sm=3" in _label(kw) for kw, _ in picked[1:])
     assert len(picked) < len(every)
     assert list(selected(every, "")) == every
+
+
+def test_host_tool_measures_both_paths_without_kernels(capsys):
+    from cakeops._triton import mhc_backward, mhc_forward
+    from cakeops.bench import host
+    from cakeops import _backend
+    launchers = (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare, mhc_backward.backward_finish)
+    cpu_path = _backend.use_triton(torch.zeros(1))
+    assert host.main(["--no-kernels", "--calls", "2", "--reps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "launchers replaced by no-ops" in lines[0]
+    for path, line in zip(("eager", "compiled"), lines[1:]):
+        assert line.split()[0] == path
+        values = [float(v) for v in line.split("reps")[1].split()]
+        assert len(values) == 2 and all(v > 0 for v in values)
+    # the launchers are back, and CPU tensors take the path they took before
+    assert (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare,
+            mhc_backward.backward_finish) == launchers
+    assert _backend.use_triton(torch.zeros(1)) == cpu_path
