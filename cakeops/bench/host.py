@@ -19,6 +19,7 @@ from typing import Callable, Dict, List
 import torch
 
 from .. import _backend
+from .mhc_cases import _layer_forward
 from .profile import _inputs
 
 _LAUNCHERS = {"mhc_forward": ("prepare", "finish"), "mhc_backward": ("backward_prepare", "backward_finish")}
@@ -44,19 +45,12 @@ def no_kernels():
             setattr(module, name, fn)
 
 
-def _layer(X, fn, scale, base):
-    from .. import cake_mhc_train as mhc
-
-    U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, sinkhorn_iters=20)
-    return mhc.cake_mhc_train_finish(X, U, handle)
-
-
 def paths(T: int, C: int, device: torch.device) -> Dict[str, Callable[[], object]]:
     X, fn, scale, base, dY = _inputs(T, C, device)
     leaves = (X, fn, scale, base)
-    compiled = torch.compile(_layer, dynamic=False, fullgraph=True)
+    compiled = torch.compile(_layer_forward, dynamic=False, fullgraph=True)
     return {
-        "eager": lambda: torch.autograd.grad(_layer(*leaves), leaves, dY),
+        "eager": lambda: torch.autograd.grad(_layer_forward(*leaves), leaves, dY),
         "compiled": lambda: torch.autograd.grad(compiled(*leaves), leaves, dY),
     }
 
