@@ -250,6 +250,29 @@ def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic
             assert torch.equal(f, torch.zeros_like(f))
 
 
+@pytest.mark.parametrize("P", [1, 7, 600], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+def test_params_reduce_sums_every_partial_row(triton_kernels, gen, P, accumulate):
+    """dbase / dscale from kernel A's partial rows (more rows than one block of the reduction at P = 600): the
+    padding columns, which kernel A leaves unwritten, are poisoned and never read."""
+    from cakeops._triton.mhc_backward_finish import M_PAD, _params_reduce_kernel
+
+    M = N_LOGITS
+    part = randn(gen, P, 2 * M_PAD, dtype=torch.float32)
+    part[:, M:M_PAD] = float("nan")
+    part[:, M_PAD + M:] = float("nan")
+    given_base, given_scale = randn(gen, M, dtype=torch.float32), randn(gen, 3, dtype=torch.float32)
+    dbase, dscale = given_base.clone(), given_scale.clone()
+    _params_reduce_kernel[(M + 3,)](part, dbase, dscale, P, N=N, M_PAD=M_PAD, ACCUMULATE=accumulate,
+                                    BLOCK_P=min(256, 1 << (P - 1).bit_length()), num_warps=4)
+    ref_base = part[:, :M].double().sum(0)
+    per_logit = part[:, M_PAD:M_PAD + M].double().sum(0)
+    ref_scale = torch.stack([per_logit[:N].sum(), per_logit[N:2 * N].sum(), per_logit[2 * N:].sum()])
+    if accumulate:
+        ref_base, ref_scale = ref_base + given_base.double(), ref_scale + given_scale.double()
+    assert rel_err(dbase, ref_base) <= 1e-5 and rel_err(dscale, ref_scale) <= 1e-5  # FP32 sums of <= 9600 terms
+
+
 @pytest.mark.parametrize("iters", [20, 64])
 def test_sinkhorn_scratch_stays_within_its_budget(monkeypatch, iters):
     """On a big GPU kernel A's programs are capped so that its scratch stays below the budget; at the default

@@ -41,27 +41,27 @@ from .rmsnorm import _sum_partials_kernel
 @triton.jit
 def _params_reduce_kernel(PART, DBASE, DSCALE, P, N: tl.constexpr, M_PAD: tl.constexpr,
                           ACCUMULATE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """dbase (+)= sum_p PART[p, :M]; dscale[g] (+)= sum over logits m of group g of sum_p PART[p, M_PAD+m].
-    One program, a fixed order: the deterministic reduction of kernel A's per-program partials."""
-    M = 2 * N + N * N
-    cols = tl.arange(0, 2 * M_PAD)
-    used = (cols % M_PAD) < M  # kernel A leaves the padding columns unwritten
-    acc = tl.zeros([2 * M_PAD], dtype=tl.float32)
+    """The deterministic reduction of kernel A's per-program partials, one program per output: program m < M
+    writes dbase[m] (+)= sum_p PART[p, m]; program M + g writes dscale[g] (+)= sum_p of PART[p, M_PAD + m] over
+    the logits m of group g (pre, post, comb). Each output is summed in a fixed order by one program."""
+    M: tl.constexpr = 2 * N + N * N
+    GROUP_MAX: tl.constexpr = N * N
+    out = tl.program_id(0)
+    g = out - M
+    # the columns this program sums: one dbase column, or the dscale columns of group g
+    first = tl.where(g < 0, out, M_PAD + tl.where(g == 0, 0, tl.where(g == 1, N, 2 * N)))
+    width = tl.where(g < 0, 1, tl.where(g == 2, N * N, N))
+    k = tl.arange(0, GROUP_MAX)
+    acc = tl.zeros([GROUP_MAX], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        acc += tl.sum(tl.load(PART + p[:, None] * (2 * M_PAD) + cols[None, :], mask=(p < P)[:, None] & used[None, :],
-                              other=0.0), axis=0)
-    dbase = acc
+        acc += tl.sum(tl.load(PART + p[:, None] * (2 * M_PAD) + first + k[None, :],
+                              mask=(p < P)[:, None] & (k < width)[None, :], other=0.0), axis=0)
+    total = tl.sum(acc, axis=0)
+    dst = tl.where(g < 0, DBASE + out, DSCALE + g)
     if ACCUMULATE:
-        dbase += tl.load(DBASE + cols, mask=cols < M, other=0.0)
-    tl.store(DBASE + cols, dbase, mask=cols < M)
-    m = cols - M_PAD
-    group = (m >= N).to(tl.int32) + (m >= 2 * N).to(tl.int32)
-    for g in tl.static_range(3):
-        dscale = tl.sum(tl.where((m >= 0) & (m < M) & (group == g), acc, 0.0), axis=0)
-        if ACCUMULATE:
-            dscale += tl.load(DSCALE + g)
-        tl.store(DSCALE + g, dscale)
+        total += tl.load(dst)
+    tl.store(dst, total)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,6 +92,7 @@ class FinishConfig:
     dfn_stages: Optional[int] = 3
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
+    dz_once: bool = True         # kernel B: dz loaded once per token block (not once per stream)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
 
 
@@ -215,16 +216,16 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
-        block_p = min(1024, next_power_of_2(plan.dlogits_programs))
-        _params_reduce_kernel[(1,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
-                                    ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=16 if block_p >= 512 else 4)
+        block_p = min(256, next_power_of_2(plan.dlogits_programs))
+        _params_reduce_kernel[(M + 3,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
+                                        ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=4)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+        DZ_ONCE=cfg.dz_once, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
