@@ -177,6 +177,23 @@ def test_layer_profile_lists_the_layer_ops_and_writes_a_trace(tmp_path, capsys):
         profile.main(["--replot", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
 
 
+def test_ncu_step_runs_one_step_inside_the_profiler_range(monkeypatch, capsys):
+    from cakeops.bench import profile
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):  # hardware counters need a GPU
+            profile.main(["--ncu-step"])
+        return
+    seen = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: seen.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: seen.append("stop"))
+    steps = []
+    real_step = profile._layer_step
+    monkeypatch.setattr(profile, "_layer_step", lambda *a: steps.append(list(seen)) or real_step(*a))
+    assert profile.main(["--ncu-step", "--T", "64", "--C", "64"]) == 0
+    assert seen == ["start", "stop"] and steps == [[], [], ["start"]]  # two warm-up steps outside, one inside
+
+
 def test_tune_match_keeps_the_default_and_the_matching_variants():
     from cakeops.bench.tune import _backward_finish_variants, _label, selected
     every = list(_backward_finish_variants())

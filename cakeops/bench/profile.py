@@ -6,6 +6,11 @@ the wall time of a step: on a GPU, wall minus kernel time is time the device wai
 autograd, allocator) or ran something unlisted. Writes OUT/layer_trace.json (Chrome trace),
 OUT/layer_profile.json and, with matplotlib, OUT/layer_profile.png. ``--replot JSON`` only draws the PNG of
 an earlier run's layer_profile.json (e.g. one fetched from a GPU host).
+
+``--ncu-step`` runs one step (after the warm-up) between cudaProfilerStart / Stop and nothing else, for Nsight
+Compute's hardware counters (stall reasons per instruction, bytes per cache level):
+``ncu --clock-control none --profile-from-start off --set full --import-source yes -o layer
+python -m cakeops.bench.profile --ncu-step``.
 """
 import argparse
 import json
@@ -78,6 +83,18 @@ def profile_layer(T: int, C: int, steps: int, device: torch.device) -> Dict:
             "listed_us_per_step": listed, "rows": rows, "trace": prof}
 
 
+def ncu_step(T: int, C: int, device: torch.device) -> None:
+    """One layer step inside the CUDA profiler range (ncu --profile-from-start off), after a warm-up outside it."""
+    args = _inputs(T, C, device)
+    for _ in range(2):  # compile / allocator warm-up, outside the range
+        _layer_step(*args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    _layer_step(*args)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def _print(result: Dict, top: int = 25) -> None:
     what = "kernels (GPU time)" if result["device"].startswith("cuda") else "CPU ops (self CPU time)"
     print(f"mHC layer fwd+bwd, identity branch, T={result['T']} C={result['C']} bf16, {result['device']}: {what}")
@@ -98,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--replot", type=Path, default=None, metavar="JSON", help="draw OUT/layer_profile.png from JSON")
+    p.add_argument("--ncu-step", action="store_true",
+                   help="only one step inside the CUDA profiler range, for ncu --profile-from-start off (GPU)")
     args = p.parse_args(argv)
     if args.replot is not None:
         if not plot.available():
@@ -116,6 +135,12 @@ def main(argv=None) -> int:
     C = args.C if args.C is not None else (4096 if big else 64)
     if T < 1 or C < 1:
         p.error("--T and --C must be >= 1")
+    if args.ncu_step:
+        if not big:
+            p.error("--ncu-step needs a GPU")
+        ncu_step(T, C, device)
+        print(f"ran one layer step (T={T}, C={C}) inside the CUDA profiler range")
+        return 0
     result = profile_layer(T, C, args.steps, device)
     _print(result)
     args.out.mkdir(parents=True, exist_ok=True)
