@@ -61,10 +61,6 @@ def _backward_finish_variants():
     # kernel B with its registers capped so that more programs are resident
     for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
         yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
-    # kernel B: dz once per stream (the former default) vs once per block with 8 warps / narrower columns
-    yield dict(config=FinishConfig(dz_once=False)), None
-    for block_c, warps, per_sm in ((64, 8, 4), (64, 8, 6), (32, 4, 6), (32, 4, 8)):
-        yield dict(config=FinishConfig(block_c=block_c, warps=warps, per_sm=per_sm)), None
     # kernel A: programs per SM; kernel C (dfn): column width
     yield dict(config=FinishConfig(dlogits_per_sm=8)), None
     yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
