@@ -224,3 +224,15 @@ def test_host_tool_measures_both_paths_without_kernels(capsys):
     assert (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare,
             mhc_backward.backward_finish) == launchers
     assert _backend.use_triton(torch.zeros(1)) == cpu_path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel times come from the GPU profiler")
+def test_kernel_times_are_per_call_and_named_by_kernel():
+    from cakeops.bench.profile import kernel_times_us
+
+    x = torch.randn(1 << 24, device="cuda")
+    once = kernel_times_us(lambda: x.mul_(1.0), reps=4)
+    twice = kernel_times_us(lambda: (x.mul_(1.0), x.mul_(1.0)), reps=4)
+    assert len(once) == 1 and all(us > 0 for us in once.values())
+    (name, us), = once.items()
+    assert twice[name] == pytest.approx(2 * us, rel=0.5)  # per call: two launches take about twice one

@@ -14,6 +14,7 @@ from ..meta import mhc_layout as layout
 from ..reference import mhc as ref
 from ..testing import rel_err
 from .core import Case, generator, register
+from .profile import kernel_times_us
 
 N, M = layout.N_STREAMS, layout.N_LOGITS
 HP = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
@@ -203,8 +204,9 @@ def _layer_bytes(s):
     return (_prepare_bytes(s) + _finish_bytes(s) + _bwd_prepare_bytes(s) + _bwd_finish_bytes(s))
 
 
-def _layer_memory(s):
-    """What one layer keeps between forward and backward beyond X, and its peak extra memory in fwd+bwd."""
+def _layer_notes(s):
+    """The layer's kernel time per call (against its row's time: how host-bound the row is), what it keeps
+    between forward and backward beyond X, and its peak extra memory in fwd+bwd."""
     if s.X.device.type != "cuda":
         return {}
     X, fn, scale, base = _layer_leaves(s)
@@ -216,7 +218,9 @@ def _layer_memory(s):
     torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
     peak = torch.cuda.max_memory_allocated() - before
     stats_bytes = X.shape[0] * layout.STATS_WIDTH * 4
-    return {"kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {X.nbytes / X.shape[1] / 2**20:.1f} MiB, "
+    kernels_ms = sum(kernel_times_us(lambda: _layer(s), reps=3).values()) / 1e3
+    return {"GPU kernel time per call": f"{kernels_ms:.3f} ms (a row time above it is the GPU waiting for the host)",
+            "kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {X.nbytes / X.shape[1] / 2**20:.1f} MiB, "
                                           f"stats {stats_bytes / 2**20:.1f} MiB; X is {X.nbytes / 2**20:.1f} MiB)",
             "peak extra during fwd+bwd": f"{peak / 2**20:.1f} MiB"}
 
@@ -251,7 +255,7 @@ def _cases():
     for i, size in enumerate(SHAPES[:2]):
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
                    nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
-                   peers=layer_peers, tiny=TINY, quick=i == 0, notes=_layer_memory)
+                   peers=layer_peers, tiny=TINY, quick=i == 0, notes=_layer_notes)
 
 
 register(*_cases())

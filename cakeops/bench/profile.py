@@ -83,6 +83,19 @@ def profile_layer(T: int, C: int, steps: int, device: torch.device) -> Dict:
             "listed_us_per_step": listed, "rows": rows, "trace": prof}
 
 
+def kernel_times_us(call, reps: int = 5) -> Dict[str, float]:
+    """GPU time per call of each kernel ``call`` launches (torch.profiler, device activity only), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    times = {e.key: _self_time_us(e, True) / reps for e in prof.key_averages()}
+    return {name: us for name, us in sorted(times.items(), key=lambda kv: -kv[1]) if us > 0}
+
+
 def ncu_step(T: int, C: int, device: torch.device) -> None:
     """One layer step inside the CUDA profiler range (ncu --profile-from-start off), after a warm-up outside it."""
     args = _inputs(T, C, device)

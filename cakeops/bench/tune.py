@@ -98,17 +98,9 @@ def kernel_regs(call) -> str:
 
 def kernel_us(call, reps: int = 5) -> str:
     """GPU time per call of each kernel `call` launches (torch.profiler), e.g. "_dpre_kernel 171 | ..."."""
-    from torch.profiler import ProfilerActivity, profile
+    from .profile import kernel_times_us
 
-    from .profile import _self_time_us
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    times = [(e.key, _self_time_us(e, True) / reps) for e in prof.key_averages()]
-    return " | ".join(f"{name[:28]} {us:.0f}" for name, us in sorted(times, key=lambda r: -r[1]) if us > 0.5)
+    return " | ".join(f"{name[:28]} {us:.0f}" for name, us in kernel_times_us(call, reps).items() if us > 0.5)
 
 
 def _label(kw):
