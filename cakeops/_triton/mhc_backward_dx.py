@@ -12,6 +12,7 @@ def _dx_kernel(
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    X_PER_STREAM: tl.constexpr,
 ):
     """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks).
 
@@ -38,18 +39,27 @@ def _dx_kernel(
                              (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
-                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION)
+                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
 
 
 @triton.jit
 def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
-             stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr):
+             stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
+             X_PER_STREAM: tl.constexpr):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
     t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD]."""
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
     mask = t_ok & c_ok
-    x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
+    if X_PER_STREAM:  # four [1, BLOCK_T, BLOCK_C] loads in the layout of the dY_j tiles, picked per stream
+        x_rows = X + t64 * stride_xt + c
+        x0 = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_rows + stride_xi, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rows + 2 * stride_xi, mask=mask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_rows + 3 * stride_xi, mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(i == 0, x0, tl.where(i == 1, x1, tl.where(i == 2, x2, x3)))
+    else:
+        x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
     du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
     dx = tl.load(s_row + _PRE + i, mask=t_ok, other=0.0) * du - x * s
     for j in tl.static_range(N):

@@ -19,12 +19,16 @@ cost 221 us against 153 (dpre, at the copy ceiling) + 44 (A) on an H200 (T=16384
 dfn is a third read of X: accumulating it in B instead (dz^T @ x per token block, [M, K] partials in
 registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best
 against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
-B moves 2.9 TB/s, not the ~4 of the streaming kernels, because its loads wait one after another: Nsight
-Compute (H200, 2026-11-29) puts half of its stall samples on loads whose tile goes straight through shared
-memory behind a block barrier into the projection's accumulator layout, so a tile's X, dU, dY_j and coefficient
-loads are issued in sequence. Measured and rejected there: the next tile's loads issued first (194 registers,
-2 programs/SM: 717 us against 606), the tiles as tensor-core operands (identity @ tile, streamed by the
-pipeline's asynchronous copies: 699 us), one-warp programs whose layout changes are warp shuffles (969 us).
+B moves 2.9 TB/s, not the ~4 of the streaming kernels, because its loads wait: Nsight Compute (H200,
+2026-11-29) puts half of its stall samples on global loads. The [N, BLOCK_T, BLOCK_C] X tile is loaded with the
+stream axis across lanes, unlike the dU / dY_j tiles, and changes layout through shared memory behind a block
+barrier right after its load (15% of the samples on that one store), so the tile's other loads are issued only
+once X has arrived: two dependent rounds of loads per tile at 4 programs of 4 warps per SM (triton 3.6's sm_90
+build: 3 layout changes, 11 barriers). ``x_per_stream`` loads X as four tiles in the dY layout instead (one round,
+2 layout changes, 127 registers in that build; not yet timed on a GPU). Measured and rejected: the next tile's
+loads issued first (194 registers, 2 programs/SM: 717 us against 606), the tiles as tensor-core operands
+(identity @ tile, streamed by the pipeline's asynchronous copies: 699 us), one-warp programs whose layout changes
+are warp shuffles (969 us).
 The params reduction is one program per output (dbase[m], dscale[g]): 8 us against 13 for one program.
 Fusing A into B through tickets (column slices of a token block, the last slice to arrive runs A's per-block
 math, dX re-read from L2; deadlock-free, tested) measured slower: 1.39 ms at best against 1.00 ms (commit a775c8e,
@@ -99,6 +103,7 @@ class FinishConfig:
     dfn_stages: Optional[int] = 3
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
+    x_per_stream: bool = False   # kernel B: X as four per-stream tiles in the layout of the dY tiles (untimed)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
 
 
@@ -231,7 +236,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+        X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),

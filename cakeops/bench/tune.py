@@ -61,6 +61,9 @@ def _backward_finish_variants():
     # kernel B with its registers capped so that more programs are resident
     for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
         yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
+    # kernel B with X loaded as four per-stream tiles (all of a tile's loads issued together with triton 3.6)
+    for block_c, per_sm in ((64, 4), (64, 3), (64, 5), (32, 6), (32, 8)):
+        yield dict(config=FinishConfig(x_per_stream=True, block_c=block_c, per_sm=per_sm)), None
     # kernel A: programs per SM; kernel C (dfn): column width
     yield dict(config=FinishConfig(dlogits_per_sm=8)), None
     yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
