@@ -62,8 +62,11 @@ def _backward_finish_variants():
     for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
         yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
     # kernel B with X loaded as four per-stream tiles (all of a tile's loads issued together with triton 3.6)
-    for block_c, per_sm in ((64, 4), (64, 3), (64, 5), (32, 6), (32, 8)):
-        yield dict(config=FinishConfig(x_per_stream=True, block_c=block_c, per_sm=per_sm)), None
+    # (triton 3.6 sm_90 builds: 127 registers; 96 with 3 stages; 72 at 32 columns)
+    for block_c, warps, per_sm, stages in ((64, 4, 4, 2), (64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3),
+                                           (32, 4, 6, 2), (32, 4, 8, 2), (128, 8, 2, 2)):
+        yield dict(config=FinishConfig(x_per_stream=True, block_c=block_c, warps=warps, per_sm=per_sm,
+                                       stages=stages)), None
     # kernel A: programs per SM; kernel C (dfn): column width
     yield dict(config=FinishConfig(dlogits_per_sm=8)), None
     yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
