@@ -61,6 +61,9 @@ def _backward_finish_variants():
     # kernel B with its registers capped so that more programs are resident
     for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
         yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
+    # kernel B with 3 pipeline stages: 96 registers in triton 3.6's sm_90 build (2 stages: 128), so 5 programs / SM
+    for per_sm in (4, 5):
+        yield dict(config=FinishConfig(stages=3, per_sm=per_sm)), None
     # kernel B with X loaded as four per-stream tiles (all of a tile's loads issued together with triton 3.6)
     # (triton 3.6 sm_90 builds: 127 registers; 96 with 3 stages; 72 at 32 columns)
     for block_c, warps, per_sm, stages in ((64, 4, 4, 2), (64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3),
