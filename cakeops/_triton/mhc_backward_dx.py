@@ -51,13 +51,11 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
     mask = t_ok & c_ok
-    if X_PER_STREAM:  # four [1, BLOCK_T, BLOCK_C] loads in the layout of the dY_j tiles, picked per stream
+    if X_PER_STREAM:  # one [1, BLOCK_T, BLOCK_C] load per stream in the layout of the dY_j tiles, picked per stream
         x_rows = X + t64 * stride_xt + c
-        x0 = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_rows + stride_xi, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_rows + 2 * stride_xi, mask=mask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_rows + 3 * stride_xi, mask=mask, other=0.0).to(tl.float32)
-        x = tl.where(i == 0, x0, tl.where(i == 1, x1, tl.where(i == 2, x2, x3)))
+        x = tl.where(i == 0, tl.load(x_rows, mask=mask, other=0.0).to(tl.float32), 0.0)
+        for k in tl.static_range(1, N):
+            x = tl.where(i == k, tl.load(x_rows + k * stride_xi, mask=mask, other=0.0).to(tl.float32), x)
     else:
         x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
     du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
