@@ -255,7 +255,7 @@ def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic
 def test_params_reduce_sums_every_partial_row(triton_kernels, gen, P, accumulate):
     """dbase / dscale from kernel A's partial rows (more rows than one block of the reduction at P = 600): the
     padding columns, which kernel A leaves unwritten, are poisoned and never read."""
-    from cakeops._triton.mhc_backward_finish import M_PAD, _params_reduce_kernel
+    from cakeops._triton.mhc_backward_finish import M_PAD, reduce_params
 
     M = N_LOGITS
     part = randn(gen, P, 2 * M_PAD, dtype=torch.float32)
@@ -263,8 +263,7 @@ def test_params_reduce_sums_every_partial_row(triton_kernels, gen, P, accumulate
     part[:, M_PAD + M:] = float("nan")
     given_base, given_scale = randn(gen, M, dtype=torch.float32), randn(gen, 3, dtype=torch.float32)
     dbase, dscale = given_base.clone(), given_scale.clone()
-    _params_reduce_kernel[(M + 3,)](part, dbase, dscale, P, N=N, M_PAD=M_PAD, ACCUMULATE=accumulate,
-                                    BLOCK_P=min(256, 1 << (P - 1).bit_length()), num_warps=4)
+    reduce_params(part, dbase, dscale, P, accumulate)
     ref_base = part[:, :M].double().sum(0)
     per_logit = part[:, M_PAD:M_PAD + M].double().sum(0)
     ref_scale = torch.stack([per_logit[:N].sum(), per_logit[N:2 * N].sum(), per_logit[2 * N:].sum()])

@@ -75,6 +75,13 @@ def _params_reduce_kernel(PART, DBASE, DSCALE, P, N: tl.constexpr, M_PAD: tl.con
     tl.store(dst, total)
 
 
+def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor, P: int, accumulate: bool) -> None:
+    """dbase [M], dscale [3] (+)= the fixed-order sums of kernel A's P partial rows ``part`` [P, 2 * M_PAD]."""
+    n = layout.N_STREAMS
+    _params_reduce_kernel[(layout.N_LOGITS + 3,)](part, dbase, dscale, P, N=n, M_PAD=M_PAD, ACCUMULATE=accumulate,
+                                                  BLOCK_P=min(256, next_power_of_2(P)), num_warps=4)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
@@ -227,9 +234,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
-        block_p = min(256, next_power_of_2(plan.dlogits_programs))
-        _params_reduce_kernel[(M + 3,)](part, dbase, dscale, plan.dlogits_programs, N=n, M_PAD=M_PAD,
-                                        ACCUMULATE=accumulate, BLOCK_P=block_p, num_warps=4)
+        reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
