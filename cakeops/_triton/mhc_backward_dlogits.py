@@ -44,9 +44,13 @@ def _put_logits(row, row_ok, pre, post, res, N: tl.constexpr, ATOMIC: tl.constex
     j = tl.arange(0, N)
     ij = j[:, None] * N + j[None, :]
     if ATOMIC:
-        tl.atomic_add(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
-        tl.atomic_add(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
-        tl.atomic_add(row[:, None, None] + 2 * N + ij[None, :, :], res, mask=row_ok[:, None, None])
+        # Masks spelled out at the pointers' full shape: the Triton interpreter's atomics do not broadcast a
+        # mask (a [R, 1] mask adds only column 0 there); compiled, both spellings are the same code.
+        vec_ok = row_ok[:, None] & (j[None, :] < N)
+        tl.atomic_add(row[:, None] + j[None, :], pre, mask=vec_ok)
+        tl.atomic_add(row[:, None] + N + j[None, :], post, mask=vec_ok)
+        tl.atomic_add(row[:, None, None] + 2 * N + ij[None, :, :], res,
+                      mask=row_ok[:, None, None] & (ij[None, :, :] < N * N))
     else:
         tl.store(row[:, None] + j[None, :], pre, mask=row_ok[:, None])
         tl.store(row[:, None] + N + j[None, :], post, mask=row_ok[:, None])
