@@ -22,6 +22,7 @@ from cakeops.meta import mhc_layout as layout
 
 from .. import _backend
 from ..reference import mhc as reference
+from . import inductor
 from .determinism import alert_not_deterministic
 from .strides import unit_last
 
@@ -191,7 +192,7 @@ for _op, _fake in ((mhc_prepare, fake.mhc_prepare), (mhc_stats, fake.mhc_stats),
                    (mhc_head_fwd, fake.mhc_head_fwd), (mhc_head_bwd, fake.mhc_head_bwd),
                    (mhc_backward_prepare, fake.mhc_backward_prepare),
                    (mhc_backward_finish, fake.mhc_backward_finish)):
-    _op.register_fake(_fake)
+    inductor.register_fake(_op, _fake)
 
 
 # ---- autograd of the training pair and the head ----

@@ -13,6 +13,7 @@ from cakeops.meta import rmsnorm as fake
 
 from .. import _backend
 from ..reference import rmsnorm as reference
+from . import inductor
 from .determinism import alert_not_deterministic
 from .strides import unit_last
 
@@ -81,9 +82,9 @@ def rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optio
     return backward_impl(g, x, w, rstd, g_residual, deterministic)
 
 
-rmsnorm_fwd.register_fake(fake.rmsnorm_fwd)
-add_rmsnorm_fwd.register_fake(fake.add_rmsnorm_fwd)
-rmsnorm_bwd.register_fake(fake.rmsnorm_bwd)
+inductor.register_fake(rmsnorm_fwd, fake.rmsnorm_fwd)
+inductor.register_fake(add_rmsnorm_fwd, fake.add_rmsnorm_fwd)
+inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd)
 
 
 def _setup_plain(ctx, inputs, output):

@@ -1,0 +1,41 @@
+"""A deep model compiles with Inductor in bounded time and trains as eager does.
+
+16 blocks = 32 ``nn.MHC`` layers (attention and MLP branches, cakeops RMSNorm pre-norms, ``MHCHead``), compiled
+with ``fullgraph=True`` on CPU. On torch 2.11 and 2.12 Inductor's implicit fallback for an op first met deep in
+a graph took time exponential in depth (cakeops/_ops/inductor.py); the run happens in a child process so that a
+regression fails this test at the bound instead of hanging the suite.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cakeops._ops import inductor
+from cakeops.tiny_lm import TinyLM
+from conftest import ON_GPU
+
+COMPILE_BOUND_S = 180  # a hang detector: 78 s measured on a 2-core CPU with torch 2.11
+CHILD_BOUND_S = COMPILE_BOUND_S + 120
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs `python -m cakeops.bench.depth` at real sizes instead")
+def test_sixteen_block_model_compiles_and_matches_eager(tmp_path):
+    out = tmp_path / "depth.json"
+    cmd = [sys.executable, "-m", "cakeops.bench.depth", "--blocks", "16", "--steps", "2", "--device", "cpu",
+           "--json", str(out)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"16-block model: compile + 2 steps did not finish in {CHILD_BOUND_S} s on torch "
+                    f"{torch.__version__} (Inductor compile time growing with depth?)")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["mhc_layers"] == 32
+    assert record["compile_s"] < COMPILE_BOUND_S, record
+    # every cakeops op goes through the explicit fallback, never Inductor's implicit one
+    assert sorted(record["inductor_fallbacks"]) == sorted(op.name() for op in inductor._OPS)
+    assert record["grad_names"] == len(list(TinyLM(48, 32, layers=16).parameters()))
+    assert record["grad_max_rel_err"] < 1e-3, record
+    assert record["loss_max_abs_diff"] < 1e-4, record
