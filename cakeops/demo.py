@@ -137,23 +137,39 @@ def plot(results, path: Path) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="training steps per model (default: 300 on CPU, 1500 on GPU)")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (16)")
     p.add_argument("--length", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, default=64, help="hidden size of both models (64)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="transformer blocks, each an attention and an MLP branch (2)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (0)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--out", type=Path, default=Path("demo_out"), help="where loss.png and demo.json go")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the model's 64-wide matrices are too small to split, and "
+                        "more threads spin against any other load on the machine; 0 keeps torch's own choice)")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error("--threads: expected >= 0")
+    saved_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, p)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(args, p) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.steps is None:
         args.steps = 1500 if device.type == "cuda" else 300
     if args.steps < 1:
         p.error("--steps: expected >= 1")
     backend = "inductor" if device.type == "cuda" else "aot_eager"
-    print(f"cakeops demo: TinyLM dim={args.dim} layers={args.layers} on {device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), torch.compile backend "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"cakeops demo: TinyLM dim={args.dim} layers={args.layers} on {device} ({where}), torch.compile backend "
           f"{backend}, {args.steps} steps of {args.batch}x{args.length} tokens", flush=True)
     results = [train(True, args, device, backend), train(False, args, device, backend)]
     print(f"\n{'model':>16} | {'params':>7} | {'compile s':>9} | {'tokens/s':>9} | {'train loss':>10} | {'held-out':>8}")

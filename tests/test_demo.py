@@ -16,7 +16,9 @@ def test_corpus_is_valid_arithmetic():
 
 def test_demo_runs_and_the_loss_falls(tmp_path):
     torch._dynamo.reset()
+    threads = torch.get_num_threads()
     assert demo.main(["--steps", "25", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # the demo's one thread does not leak into the caller
     record = json.loads((tmp_path / "demo.json").read_text())
     assert [r["model"] for r in record["results"]] == ["mHC (4 streams)", "plain residual"]
     for r in record["results"]:
