@@ -1,6 +1,7 @@
 """Shared test setup. Without a GPU, Triton kernels run on CPU tensors through the interpreter,
 which must be switched on before triton is first imported."""
 import os
+import zlib
 
 import torch
 
@@ -8,6 +9,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+def _check_interpreter_numpy() -> None:
+    """triton 3.6's interpreter turns a program id into a Python int by ``int(array)``, which NumPy 2.4 refuses
+    for 1-element arrays (triton 3.7 fixed it): say so up front instead of failing every kernel test."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy
+    import triton
+
+    def version(module):
+        return tuple(int(p) for p in module.__version__.split("+")[0].split(".")[:2])
+
+    if version(triton) < (3, 7) and version(numpy) >= (2, 4):
+        raise pytest.UsageError(f"the Triton {triton.__version__} interpreter (kernel tests on CPU) needs NumPy < 2.4, "
+                                f"found {numpy.__version__}: pip install 'numpy<2.4' (or triton >= 3.7)")
+
+
+_check_interpreter_numpy()
 
 from cakeops import _backend  # noqa: E402
 
@@ -33,3 +53,24 @@ def triton_kernels():
         return
     with _backend.cpu_kernels("triton"):
         yield
+
+
+def test_seed(nodeid: str) -> int:
+    """The seed of a test, the same in every process and run (crc32 of its id, unlike ``hash``)."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _stable_seed(request):
+    """Every test starts from its own stable seed; a test that seeds explicitly overrides it."""
+    torch.manual_seed(test_seed(request.node.nodeid))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("cakeops seed", f"torch.manual_seed({test_seed(item.nodeid)}) (crc32 of the test id; "
+                                                "tests that seed explicitly name their seed in the code)"))

@@ -48,16 +48,12 @@ def _oracle(x, w, eps, residual, gy, gh, h_new=None):
     return y, h, torch.autograd.grad(outs, inputs, grads)
 
 
-def _seed(*parts) -> int:
-    return hash(tuple(str(p) for p in parts)) % (2**31)
-
-
 @pytest.mark.parametrize("H", [1, 7, 1000, 4095, 5120])
 @pytest.mark.parametrize("T", [0, 1, 33])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_autograd_matches_fp64(backend, H, T, dtype, with_residual):
-    torch.manual_seed(_seed(H, T, dtype, with_residual))
+    # seeded by conftest from the test id: the same inputs in every run, different ones per parametrization
     w_dtype = torch.float32 if (H + T) % 2 else dtype  # both weight dtypes across the grid
     eps = 1e-6 if H > 1 else 0.5  # H = 1: dx is a pure cancellation term, meaningful only with eps large
     x = torch.randn(T, H, device=DEVICE, dtype=dtype, requires_grad=True)
