@@ -6,6 +6,7 @@ two *edges* of the training prepare op, which carry no data (see ``edges``).
 """
 import torch
 
+from . import checks
 from .mhc_layout import GRAD_STATS_WIDTH, STATS_WIDTH
 
 
@@ -32,29 +33,35 @@ def _stats(X):
 
 
 def mhc_prepare(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int, deterministic: bool):
+    checks.mhc_prepare("cakeops::mhc_prepare", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     T, n, C = X.shape
     return (torch.empty((T, C), dtype=X.dtype, device=X.device), _stats(X)) + edges(X)
 
 
 def mhc_stats(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int):
+    checks.mhc_prepare("cakeops::mhc_stats", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     return _stats(X)
 
 
 def mhc_finish(X, B, stats, edge_dy, edge_gs):
+    checks.mhc_finish("cakeops::mhc_finish", X, B, stats)
     return torch.empty_like(X, memory_format=torch.contiguous_format)
 
 
 def mhc_head_fwd(X):
+    checks.streams("cakeops::mhc_head_fwd", "X", X)
     T, n, C = X.shape
     return torch.empty((T, C), dtype=X.dtype, device=X.device)
 
 
 def mhc_head_bwd(dY, n: int):
+    checks.mhc_head_bwd("cakeops::mhc_head_bwd", dY, n)
     T, C = dY.shape
     return torch.empty((T, n, C), dtype=dY.dtype, device=dY.device)
 
 
 def mhc_backward_prepare(dY, B, X, stats):
+    checks.mhc_backward_prepare("cakeops::mhc_backward_prepare", dY, B, X, stats)
     T, n, C = X.shape
     return (torch.empty((T, C), dtype=B.dtype, device=X.device),
             torch.empty((T, GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device))
@@ -62,5 +69,7 @@ def mhc_backward_prepare(dY, B, X, stats):
 
 def mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps: float, hc_eps: float,
                         sinkhorn_iters: int, deterministic: bool):
+    checks.mhc_backward_finish("cakeops::mhc_backward_finish", X, dY, dU, fn, scale, base, stats, grad_stats,
+                               rms_eps, hc_eps, sinkhorn_iters)
     return (torch.empty_like(X, memory_format=torch.contiguous_format), torch.empty_like(fn),
             torch.empty_like(scale), torch.empty_like(base))

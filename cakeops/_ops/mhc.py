@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from cakeops.meta import checks
 from cakeops.meta import mhc as fake
 from cakeops.meta import mhc_layout as layout
 
@@ -149,6 +150,7 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
 def mhc_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                 sinkhorn_iters: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(U, stats, edge_dY, edge_grad_stats). ``deterministic`` rides along for the backward."""
+    checks.mhc_prepare("cakeops::mhc_prepare", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     U, stats = prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     return (U, stats) + fake.edges(X)
 
@@ -156,27 +158,32 @@ def mhc_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: flo
 @torch.library.custom_op("cakeops::mhc_stats", mutates_args=())
 def mhc_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
               sinkhorn_iters: int) -> Tensor:
+    checks.mhc_prepare("cakeops::mhc_stats", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     return prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, write_U=False)[1]
 
 
 @torch.library.custom_op("cakeops::mhc_finish", mutates_args=())
 def mhc_finish(X: Tensor, B: Tensor, stats: Tensor, edge_dy: Tensor, edge_gs: Tensor) -> Tensor:
     """Y = post * B + comb^T X. The edges are read by nobody: they route gradients (module docstring)."""
+    checks.mhc_finish("cakeops::mhc_finish", X, B, stats)
     return finish_impl(X, B, stats)
 
 
 @torch.library.custom_op("cakeops::mhc_head_fwd", mutates_args=())
 def mhc_head_fwd(X: Tensor) -> Tensor:
+    checks.streams("cakeops::mhc_head_fwd", "X", X)
     return head_forward_impl(X)
 
 
 @torch.library.custom_op("cakeops::mhc_head_bwd", mutates_args=())
 def mhc_head_bwd(dY: Tensor, n: int) -> Tensor:
+    checks.mhc_head_bwd("cakeops::mhc_head_bwd", dY, n)
     return head_backward_impl(dY, n)
 
 
 @torch.library.custom_op("cakeops::mhc_backward_prepare", mutates_args=())
 def mhc_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
+    checks.mhc_backward_prepare("cakeops::mhc_backward_prepare", dY, B, X, stats)
     return backward_prepare_impl(dY, B, X, stats)
 
 
@@ -184,6 +191,8 @@ def mhc_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tup
 def mhc_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
                         grad_stats: Tensor, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    checks.mhc_backward_finish("cakeops::mhc_backward_finish", X, dY, dU, fn, scale, base, stats, grad_stats,
+                               rms_eps, hc_eps, sinkhorn_iters)
     return backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, sinkhorn_iters,
                                 deterministic)
 

@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from cakeops.meta import checks
 from cakeops.meta import rmsnorm as fake
 
 from .. import _backend
@@ -65,6 +66,7 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
 @torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
 def rmsnorm_fwd(x: Tensor, w: Tensor, eps: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
     """y, rstd = RMSNorm(x) * w. ``deterministic`` only rides along for the backward."""
+    checks.rmsnorm_fwd("cakeops::rmsnorm_fwd", x, w, eps)
     return forward_impl(x, w, eps)
 
 
@@ -72,6 +74,7 @@ def rmsnorm_fwd(x: Tensor, w: Tensor, eps: float, deterministic: bool) -> Tuple[
 def add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
                     deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """h_new = x + residual; y, rstd = RMSNorm(h_new) * w."""
+    checks.rmsnorm_fwd("cakeops::add_rmsnorm_fwd", x, w, eps, residual)
     return forward_impl(x, w, eps, residual)
 
 
@@ -79,6 +82,7 @@ def add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
 def rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
                 deterministic: bool) -> Tuple[Tensor, Tensor]:
     """dx (g_residual folded in, one rounding) and dw in FP32."""
+    checks.rmsnorm_bwd("cakeops::rmsnorm_bwd", g, x, w, rstd, g_residual)
     return backward_impl(g, x, w, rstd, g_residual, deterministic)
 
 

@@ -1,0 +1,125 @@
+"""What every cakeops custom op requires of its arguments: shapes, dtypes, devices, ranges.
+
+The ops' real implementations and their fakes both call these, so ``torch.ops.cakeops.*`` reached directly
+(no public function in front) rejects what would make a kernel read or write out of bounds, in eager mode
+and while tracing. The public functions check the same things first, with messages in their own terms.
+Pure torch; a failed check raises ValueError (TypeError for a non-tensor), naming the op's argument.
+"""
+import math
+
+import torch
+
+from . import mhc_layout as layout
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def tensor(op: str, name: str, t, *, ndim=None, shape=None, dtypes=None, device=None):
+    """``t`` is a tensor of ``ndim`` dims / this ``shape`` / one of ``dtypes`` / on ``device``."""
+    where = f"{op}: {name}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{where}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if shape is not None and (t.dim() != len(shape) or any(a != b for a, b in zip(t.shape, shape))):
+        raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{where}: expected dtype in ({', '.join(_name(d) for d in dtypes)}), got {_name(t.dtype)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{where}: expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def positive(op: str, name: str, v) -> None:
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{op}: {name}: expected a finite value > 0, got {v!r}")
+
+
+# ---- RMSNorm ----
+
+def rmsnorm_fwd(op: str, x, w, eps, residual=None) -> None:
+    tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    T, H = x.shape
+    tensor(op, "w", w, shape=(H,), dtypes=(x.dtype, torch.float32), device=x.device)
+    if residual is not None:
+        tensor(op, "residual", residual, shape=(T, H), dtypes=(x.dtype,), device=x.device)
+    positive(op, "eps", eps)
+
+
+def rmsnorm_bwd(op: str, g, x, w, rstd, g_residual) -> None:
+    tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    T, H = x.shape
+    tensor(op, "g", g, shape=(T, H), dtypes=(x.dtype,), device=x.device)
+    tensor(op, "w", w, shape=(H,), dtypes=(x.dtype, torch.float32), device=x.device)
+    tensor(op, "rstd", rstd, shape=(T,), dtypes=(torch.float32,), device=x.device)
+    if g_residual is not None:
+        tensor(op, "g_residual", g_residual, shape=(T, H), dtypes=(x.dtype,), device=x.device)
+
+
+# ---- mHC ----
+
+def streams(op: str, name: str, X) -> None:
+    tensor(op, name, X, ndim=3, dtypes=FLOAT_DTYPES)
+    if X.shape[1] != layout.N_STREAMS:
+        raise ValueError(f"{op}: {name}: expected {layout.N_STREAMS} streams ([T, {layout.N_STREAMS}, C]), "
+                         f"got shape {tuple(X.shape)}")
+
+
+def mapping(op: str, X, fn, scale, base) -> None:
+    T, n, C = X.shape
+    fp32 = (torch.float32,)
+    tensor(op, "fn", fn, shape=(layout.N_LOGITS, n * C), dtypes=fp32, device=X.device)
+    tensor(op, "scale", scale, shape=(3,), dtypes=fp32, device=X.device)
+    tensor(op, "base", base, shape=(layout.N_LOGITS,), dtypes=fp32, device=X.device)
+
+
+def hparams(op: str, rms_eps, hc_eps, sinkhorn_iters) -> None:
+    positive(op, "rms_eps", rms_eps)
+    positive(op, "hc_eps", hc_eps)
+    if not 1 <= sinkhorn_iters <= layout.MAX_SINKHORN_ITERS:
+        raise ValueError(f"{op}: sinkhorn_iters: expected 1..{layout.MAX_SINKHORN_ITERS}, got {sinkhorn_iters}")
+
+
+def branch(op: str, name: str, B, X, same_dtype: bool = False) -> None:
+    T, n, C = X.shape
+    tensor(op, name, B, shape=(T, C), dtypes=(X.dtype,) if same_dtype else FLOAT_DTYPES, device=X.device)
+
+
+def record(op: str, name: str, t, X, width: int) -> None:
+    tensor(op, name, t, shape=(X.shape[0], width), dtypes=(torch.float32,), device=X.device)
+
+
+def mhc_prepare(op: str, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) -> None:
+    streams(op, "X", X)
+    mapping(op, X, fn, scale, base)
+    hparams(op, rms_eps, hc_eps, sinkhorn_iters)
+
+
+def mhc_finish(op: str, X, B, stats) -> None:
+    streams(op, "X", X)
+    branch(op, "B", B, X)
+    record(op, "stats", stats, X, layout.STATS_WIDTH)
+
+
+def mhc_head_bwd(op: str, dY, n) -> None:
+    tensor(op, "dY", dY, ndim=2, dtypes=FLOAT_DTYPES)
+    if n != layout.N_STREAMS:
+        raise ValueError(f"{op}: n: expected {layout.N_STREAMS} streams, got {n}")
+
+
+def mhc_backward_prepare(op: str, dY, B, X, stats) -> None:
+    mhc_finish(op, X, B, stats)
+    tensor(op, "dY", dY, shape=tuple(X.shape), dtypes=(X.dtype,), device=X.device)
+
+
+def mhc_backward_finish(op: str, X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps,
+                        sinkhorn_iters) -> None:
+    mhc_prepare(op, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    tensor(op, "dY", dY, shape=tuple(X.shape), dtypes=(X.dtype,), device=X.device)
+    branch(op, "dU", dU, X, same_dtype=True)
+    record(op, "stats", stats, X, layout.STATS_WIDTH)
+    record(op, "grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
