@@ -9,8 +9,8 @@ and sums dlogit and dlogit*mix over its tokens, per logit: one partial row per p
 a fixed-order reduction), or atomics.
 
 Sinkhorn backward: the backward of normalization step s needs that step's input. The kernel replays the
-forward once from the logits (a = mix*scale[2] + base, mix from stats), step for step as
-mhc_prepare._sinkhorn, storing each of the 2*iters - 1 normalization inputs in a per-program FP32 scratch
+forward once from the logits (a = mix*scale[2] + base, mix from stats) through the forward's own function
+(mhc_math.sinkhorn), storing each of the 2*iters - 1 normalization inputs in a per-program FP32 scratch
 [2*iters-1, BLOCK_T, n, n], then walks the steps in reverse: exact, and linear in iters (a replay from the
 logits for every reverse step would be quadratic: ~20x the forward's work at iters=20). Persistent programs
 reuse their slot, so the scratch is programs*(2*iters-1)*BLOCK_T*64 bytes (~40 MB at iters=20 with the
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _DCOMB
-from .mhc_prepare import _sigmoid
+from .mhc_math import normalize, sigmoid, sinkhorn
 
 
 M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row
@@ -58,11 +58,6 @@ def _put_logits(row, row_ok, pre, post, res, N: tl.constexpr, ATOMIC: tl.constex
 
 
 @triton.jit
-def _normalize(p, AXIS: tl.constexpr, hc_eps):
-    return tl.div_rn(p, tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps)
-
-
-@triton.jit
 def _normalize_backward(dq, p, AXIS: tl.constexpr, hc_eps):
     """q = p / d, d = sum_AXIS p + eps: dp = (dq - sum_AXIS(dq * q)) / d."""
     d = tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps
@@ -71,28 +66,14 @@ def _normalize_backward(dq, p, AXIS: tl.constexpr, hc_eps):
 
 
 @triton.jit
-def _softmax_rows(a):
-    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
-    return tl.div_rn(e, tl.sum(e, axis=2)[:, :, None])
-
-
-@triton.jit
-def _sinkhorn_backward(a, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
+def _sinkhorn_backward(mix_res, scale_res, base_res, dcomb, hc_eps, iters, scr, STEP: tl.constexpr):
     """da [BLOCK_T, N, N] from dcomb: the exact unrolled Sinkhorn backward, every eps and iteration.
 
-    Replays the forward (mhc_prepare._sinkhorn: softmax + eps, columns, then (rows, columns) * (iters-1))
-    keeping the input of normalization step s at scr + s*STEP, then walks the steps in reverse.
+    Replays the forward (mhc_math.sinkhorn, recording the input of normalization step s at scr + s*STEP),
+    then walks the steps in reverse.
     """
     tl.debug_barrier()  # every thread is done reading the previous block's iterates
-    s = _softmax_rows(a)
-    p = s + hc_eps
-    tl.store(scr, p)
-    p = _normalize(p, 1, hc_eps)
-    for k in range(1, iters):
-        tl.store(scr + (2 * k - 1) * STEP, p)
-        p = _normalize(p, 2, hc_eps)
-        tl.store(scr + 2 * k * STEP, p)
-        p = _normalize(p, 1, hc_eps)
+    _, s = sinkhorn(mix_res, scale_res, base_res, hc_eps, iters, scr, STEP, True)
     tl.debug_barrier()  # the iterates are visible to every thread
     # Each reverse step loads its two iterates one step ahead: the loads do not depend on dp, so their
     # latency hides behind the previous step's arithmetic instead of stalling every step.
@@ -164,11 +145,11 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
     dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
     dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
     # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
-    sg_pre = _sigmoid(mix_pre * scale_pre + base_pre)
-    sg_post = _sigmoid(mix_post * scale_post + base_post)
+    sg_pre = sigmoid(mix_pre * scale_pre + base_pre)
+    sg_post = sigmoid(mix_post * scale_post + base_post)
     dl_pre = dpre * sg_pre * (1.0 - sg_pre)
     dl_post = dpost * 2.0 * sg_post * (1.0 - sg_post)
-    dl_res = _sinkhorn_backward(mix_res * scale_res + base_res, dcomb, hc_eps, iters, scr, STEP)
+    dl_res = _sinkhorn_backward(mix_res, scale_res, base_res, dcomb, hc_eps, iters, scr, STEP)
 
     dm_pre, dm_post, dm_res = dl_pre * scale_pre, dl_post * scale_post, dl_res * scale_res
     dmix_mix = (tl.sum(dm_pre * mix_pre, axis=1) + tl.sum(dm_post * mix_post, axis=1)

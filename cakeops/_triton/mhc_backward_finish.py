@@ -11,7 +11,7 @@ Four launches, six when deterministic:
   held for the whole token range.
 * ``_dfn_kernel`` (C): dfn = dz^T @ X, a skinny GEMM over the tokens (per token split when deterministic).
 * deterministic: the partials (per token split for dfn, per program for dbase / dscale) are summed in a
-  fixed order by ``_sum_partials_kernel`` and ``_params_reduce_kernel``; otherwise added with atomics.
+  fixed order by ``partials.sum_partials`` and ``_params_reduce_kernel``; otherwise added with atomics.
 
 Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read for dpre and again
 by B. dpre has its own kernel because A's Sinkhorn backward is latency-bound: inside the streaming kernel it
@@ -46,7 +46,7 @@ from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
-from .rmsnorm import _sum_partials_kernel
+from .partials import sum_partials
 
 
 @triton.jit
@@ -250,8 +250,5 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     )
     if not atomic:
         width = M * n * C
-        sum_block = min(1024, next_power_of_2(width))
-        _sum_partials_kernel[(cdiv(width, sum_block),)](
-            dfn_part, dfn, plan.dfn.splits, width, width, ACCUMULATE=accumulate, BLOCK_P=8, BLOCK=sum_block,
-            num_warps=4,
-        )
+        sum_partials(dfn_part.reshape(plan.dfn.splits, width), dfn.view(width), accumulate, max_block=1024,
+                     block_p=8)

@@ -33,12 +33,8 @@ from .mhc_columns import (
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
+from .mhc_math import sigmoid, sinkhorn
 from .mhc_streams import collapse
-
-
-@triton.jit
-def _sigmoid(z):
-    return tl.div_rn(1.0, 1.0 + tl.exp(-z))
 
 
 @triton.jit
@@ -88,18 +84,6 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
             else:
                 acc = tl.dot(xf, w, acc, input_precision=PRECISION)
     return acc, tl.sum(sum_sq, axis=1)
-
-
-@triton.jit
-def _sinkhorn(a, hc_eps, iters):
-    """a [BLOCK_T, N, N] logits -> comb: row softmax + eps, then columns, (rows, columns) * (iters-1)."""
-    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
-    p = tl.div_rn(e, tl.sum(e, axis=2)[:, :, None]) + hc_eps
-    p = tl.div_rn(p, tl.sum(p, axis=1)[:, None, :] + hc_eps)
-    for _ in range(1, iters):
-        p = tl.div_rn(p, tl.sum(p, axis=2)[:, :, None] + hc_eps)
-        p = tl.div_rn(p, tl.sum(p, axis=1)[:, None, :] + hc_eps)
-    return p
 
 
 @triton.jit
@@ -165,11 +149,12 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     row_ok = t_ok[:, None]
     z_pre = tl.load(s_row[:, None] + _MIX + j[None, :], mask=row_ok, other=0.0)
     z_post = tl.load(s_row[:, None] + _MIX + N + j[None, :], mask=row_ok, other=0.0)
-    pre = _sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
-    post = 2.0 * _sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
+    pre = sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
+    post = 2.0 * sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
     ij = j[:, None] * N + j[None, :]
     z_res = tl.load(s_row[:, None, None] + _MIX + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
-    comb = _sinkhorn(z_res * tl.load(SCALE + 2) + tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters)
+    comb, _ = sinkhorn(z_res, tl.load(SCALE + 2), tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters,
+                       STATS, 0, False)  # no scratch: nothing recorded
     tl.store(s_row[:, None] + _PRE + j[None, :], pre, mask=row_ok)
     tl.store(s_row[:, None] + _POST + j[None, :], post, mask=row_ok)
     tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_power_of_2, persistent_programs, tile_config
+from .launch import cdiv, persistent_programs, tile_config
+from .partials import sum_partials
 
 
 @triton.jit
@@ -165,21 +166,6 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
     return g, x, w, m
 
 
-@triton.jit
-def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """OUT[h] (+)= sum_p PART[p, h], always in the same order: the deterministic dw reduction."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < P)[:, None] & (cols < H)[None, :]
-        acc += tl.sum(tl.load(PART + p[:, None] * stride_p + cols[None, :], mask=mask, other=0.0), axis=0)
-    if ACCUMULATE:
-        acc += tl.load(OUT + cols, mask=cols < H, other=0.0)
-    tl.store(OUT + cols, acc, mask=cols < H)
-
-
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
             residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None) -> None:
     """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out."""
@@ -243,12 +229,3 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
     )
     if not atomic:
         sum_partials(target, dw, accumulate_dw)
-
-
-def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-    """out (+)= partials.sum(0) in a fixed order. Narrow column blocks: many programs, each a short walk."""
-    P, H = partials.shape
-    block = min(128, next_power_of_2(H))
-    _sum_partials_kernel[(cdiv(H, block),)](
-        partials, out, P, H, partials.stride(0), ACCUMULATE=accumulate, BLOCK_P=32, BLOCK=block, num_warps=4,
-    )

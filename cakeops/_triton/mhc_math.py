@@ -1,0 +1,48 @@
+"""Device functions of the mHC math that the forward and the backward kernels share.
+
+The backward (kernel A) replays the forward's Sinkhorn to get the iterates its exact gradient needs; the
+replay is only exact if it computes the very same bits as forward_prepare, so both call ``sinkhorn`` here, the
+replay with ``RECORD`` set (tests/test_sinkhorn_replay.py holds the two modes to each other and to the record).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sigmoid(z):
+    return tl.div_rn(1.0, 1.0 + tl.exp(-z))
+
+
+@triton.jit
+def softmax_rows(a):
+    """Softmax over the last axis of [BLOCK_T, N, N]."""
+    e = tl.exp(a - tl.max(a, axis=2)[:, :, None])
+    return tl.div_rn(e, tl.sum(e, axis=2)[:, :, None])
+
+
+@triton.jit
+def normalize(p, AXIS: tl.constexpr, hc_eps):
+    """p / (sum over AXIS + eps): AXIS 2 normalizes rows, AXIS 1 columns."""
+    return tl.div_rn(p, tl.expand_dims(tl.sum(p, axis=AXIS), AXIS) + hc_eps)
+
+
+@triton.jit
+def sinkhorn(mix_res, scale_res, base_res, hc_eps, iters, scr, STEP: tl.constexpr, RECORD: tl.constexpr):
+    """comb [BLOCK_T, N, N] from the residual logits' normalized projections: a = mix*scale + base, row softmax
+    + eps, columns, then (rows, columns) * (iters - 1). Returns (comb, softmax(a)).
+
+    RECORD: the input of normalization step s is stored at ``scr + s*STEP`` (2*iters - 1 steps) for the
+    backward; the arithmetic is the same either way."""
+    s = softmax_rows(mix_res * scale_res + base_res)
+    p = s + hc_eps
+    if RECORD:
+        tl.store(scr, p)
+    p = normalize(p, 1, hc_eps)
+    for k in range(1, iters):
+        if RECORD:
+            tl.store(scr + (2 * k - 1) * STEP, p)
+        p = normalize(p, 2, hc_eps)
+        if RECORD:
+            tl.store(scr + 2 * k * STEP, p)
+        p = normalize(p, 1, hc_eps)
+    return p, s

@@ -1,0 +1,33 @@
+"""The deterministic cross-program reduction that the RMSNorm and mHC backward kernels share: per-program FP32
+partials [P, H] summed in a fixed order (bitwise reproducible for a given P), instead of atomics."""
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, next_power_of_2
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """OUT[h] (+)= sum_p PART[p, h], always in the same order: the deterministic dw reduction."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & (cols < H)[None, :]
+        acc += tl.sum(tl.load(PART + p[:, None] * stride_p + cols[None, :], mask=mask, other=0.0), axis=0)
+    if ACCUMULATE:
+        acc += tl.load(OUT + cols, mask=cols < H, other=0.0)
+    tl.store(OUT + cols, acc, mask=cols < H)
+
+
+def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,
+                 block_p: int = 32) -> None:
+    """out [H] (+)= partials [P, H] (unit column stride) summed over P in a fixed order. Narrow column blocks
+    (max_block) make many programs, each a short walk; block_p rows are loaded per step."""
+    P, H = partials.shape
+    block = min(max_block, next_power_of_2(H))
+    _sum_partials_kernel[(cdiv(H, block),)](
+        partials, out, P, H, partials.stride(0), ACCUMULATE=accumulate, BLOCK_P=block_p, BLOCK=block, num_warps=4,
+    )
