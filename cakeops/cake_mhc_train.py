@@ -178,21 +178,23 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
         state.stats = stats
         ctx.state = state
         ctx.save_for_backward(X, fn, scale, base, *((stats,) if state.save_stats else ()))
+        ctx.set_materialize_grads(False)
         return (U,) + fake.edges(X)
 
     @staticmethod
     def backward(ctx, dU, dY, grad_stats):
         X, fn, scale, base, *kept = ctx.saved_tensors
         state = ctx.state
+        if dU is None and dY is None:  # neither U nor the finish's output reached the loss
+            state.stats = None
+            return None, None, None, None, None
         if kept:
             stats = kept[0]
         else:  # recomputed by the finish node's backward, else here
             stats = state.stats if state.stats is not None else state.recompute_stats(X)
             state.stats = None
-        dU, dY, grad_stats = ops.zeros_for_missing(X, dU, dY, grad_stats)
-        dX, dfn, dscale, dbase = ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats,
-                                                          *state.hparams, deterministic=state.deterministic)
-        return dX, dfn, dscale, dbase, None
+        return ops.prepare_backward(ops.backward_finish_impl, X, fn, scale, base, stats, dU, dY, grad_stats,
+                                    state.hparams, state.deterministic) + (None,)
 
 
 class CakeMHCTrainFinishFunction(torch.autograd.Function):
@@ -210,18 +212,20 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(X, B)
         state.stats = None  # the record lives on only where it was saved
+        ctx.set_materialize_grads(False)
         return Y
 
     @staticmethod
     def backward(ctx, dY):
         X, B, *kept = ctx.saved_tensors
         state = ctx.state
+        if dY is None:
+            return None, None, None, None, None
         if kept:
             stats = kept[0]
         else:  # save_stats=False: recompute once, and hand it on to the prepare node's backward
             stats = state.stats = state.recompute_stats(X)
-        dB, grad_stats = ops.backward_prepare_impl(dY, B, X, stats)
-        return None, dB, None, dY, grad_stats
+        return ops.finish_backward(ops.backward_prepare_impl, X, B, stats, dY)
 
 
 class CakeMHCTrainHeadFunction(torch.autograd.Function):
@@ -230,11 +234,12 @@ class CakeMHCTrainHeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X):
         ctx.n = X.shape[1]
+        ctx.set_materialize_grads(False)
         return ops.head_forward_impl(X)
 
     @staticmethod
     def backward(ctx, dY):
-        return ops.head_backward_impl(dY, ctx.n)
+        return ops.head_backward(ops.head_backward_impl, dY, ctx.n)
 
 
 # ---------------------------------------------------------------------------------------------

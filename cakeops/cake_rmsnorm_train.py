@@ -16,16 +16,12 @@ from torch import Tensor
 
 from . import _checks
 from ._ops import rmsnorm as ops
+from ._ops.rmsnorm import rows as _rows
 
 __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
     "is_cake_rmsnorm_train_supported", "cake_rmsnorm_train_workspace_numel", "cake_rmsnorm_train_allocate_workspace",
 ]
-
-
-def _rows(t: Tensor) -> Tensor:
-    """[..., H] -> [T, H], a view whenever the layout allows (the kernels' entry copies what they cannot read)."""
-    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
 def _check_x_w(x, w, x_name: str = "x"):
@@ -112,7 +108,8 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
 
 
 class CakeRMSNormFunction(torch.autograd.Function):
-    """Eager autograd: calls the launchers directly (no dispatcher per call). Saves only (x or h_new, w, rstd)."""
+    """Eager autograd: calls the launchers directly (no dispatcher per call). Saves only (x or h_new, w, rstd).
+    Its backward is the registered autograd's formula (``_ops.rmsnorm.backward_formula``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
@@ -120,8 +117,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
         outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual)
         ctx.deterministic = deterministic
         ctx.has_residual = residual is not None
-        normalized = outs[2] if ctx.has_residual else x
-        ctx.save_for_backward(normalized, w, outs[1])
+        ctx.save_for_backward(outs[2] if ctx.has_residual else x, w, outs[1])
+        ctx.set_materialize_grads(False)
         if ctx.has_residual:
             return outs[0], outs[2]
         return outs[0]
@@ -129,13 +126,10 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_h=None):
         h, w, rstd = ctx.saved_tensors
-        if grad_y is None:
-            grad_y = torch.zeros_like(h)
         # The inputs were checked by the forward: straight to the kernels.
-        dx, dw = ops.backward_impl(_rows(grad_y), _rows(h), w, rstd.reshape(-1),
-                                   None if grad_h is None else _rows(grad_h), ctx.deterministic)
-        dx, dw = dx.view(h.shape), dw.to(w.dtype)
-        return dx, dw, None, (dx if ctx.has_residual else None), None
+        dx, dw, dres = ops.backward_formula(ops.backward_impl, h, w, rstd, grad_y, grad_h, ctx.has_residual,
+                                            ctx.deterministic)
+        return dx, dw, None, dres, None
 
 
 def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None,

@@ -204,17 +204,14 @@ for _op, _fake in ((mhc_prepare, fake.mhc_prepare), (mhc_stats, fake.mhc_stats),
     inductor.register_fake(_op, _fake)
 
 
-# ---- autograd of the training pair and the head ----
-
-def _setup_prepare(ctx, inputs, output):
-    X, fn, scale, base, rms_eps, hc_eps, iters, deterministic = inputs
-    ctx.save_for_backward(X, fn, scale, base, output[1])
-    ctx.hparams = (rms_eps, hc_eps, iters, deterministic)
-
+# ---- autograd: one formula per node, for the eager Functions and the registered autograd ----
+# ``bwd`` is the backward entry: the ``*_impl`` function (eager: the kernels directly) or the custom op (compiled:
+# the AOT backward graph holds it); both take the same positional arguments. Gradients are not materialized
+# (set_materialize_grads(False)): a node whose outputs got no gradient launches nothing.
 
 def zeros_for_missing(X: Tensor, dU: Optional[Tensor], dY: Optional[Tensor], grad_stats: Optional[Tensor]):
-    """The prepare node's incoming gradients with zeros where none arrived (U used without a finish node, or
-    a finish whose output or whose U got no gradient)."""
+    """The prepare node's incoming gradients with zeros where none arrived: U used but the finish's output
+    not (dY, grad_stats), or the finish's output used but not U (dU)."""
     if dU is None:
         dU = X.new_zeros(X.shape[0], X.shape[2])
     if dY is None:
@@ -224,33 +221,66 @@ def zeros_for_missing(X: Tensor, dU: Optional[Tensor], dY: Optional[Tensor], gra
     return dU, dY, grad_stats
 
 
+def prepare_backward(bwd, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor, dU: Optional[Tensor],
+                     dY: Optional[Tensor], grad_stats: Optional[Tensor], hparams, deterministic: bool):
+    """The prepare node: (dX, dfn, dscale, dbase) from dU and, through the edges, the finish node's dY and
+    grad_stats; X's whole gradient written once. Parameter gradients in the parameters' dtypes."""
+    if dU is None and dY is None:
+        return None, None, None, None
+    dU, dY, grad_stats = zeros_for_missing(X, dU, dY, grad_stats)
+    dX, dfn, dscale, dbase = bwd(X, dY, dU, fn, scale, base, stats, grad_stats, *hparams, deterministic)
+    return dX, dfn.to(fn.dtype), dscale.to(scale.dtype), dbase.to(base.dtype)
+
+
+def finish_backward(bwd, X: Tensor, B: Tensor, stats: Tensor, dY: Optional[Tensor]):
+    """The finish node: gradients of (X, B, stats or state, edge_dY, edge_grad_stats). None for X: dY travels
+    to the prepare node as the first edge's gradient, grad_stats as the second's (module docstring)."""
+    if dY is None:
+        return None, None, None, None, None
+    dB, grad_stats = bwd(dY, B, X, stats)
+    return None, dB, None, dY, grad_stats
+
+
+def head_backward(bwd, dY: Optional[Tensor], n: int) -> Optional[Tensor]:
+    return None if dY is None else bwd(dY, n)
+
+
+def _setup_prepare(ctx, inputs, output):
+    """Under torch.compile the stats record is always saved (``save_stats`` is an eager-path option): what a
+    compiled graph keeps for its backward is the partitioner's choice, and activation checkpointing
+    (torch.utils.checkpoint, selective checkpointing) is how a compiled model trades memory for recompute."""
+    X, fn, scale, base, rms_eps, hc_eps, iters, deterministic = inputs
+    ctx.save_for_backward(X, fn, scale, base, output[1])
+    ctx.hparams = (rms_eps, hc_eps, iters)
+    ctx.deterministic = deterministic
+    ctx.set_materialize_grads(False)
+
+
 def _backward_prepare_node(ctx, dU, d_stats, dY, grad_stats):
     X, fn, scale, base, stats = ctx.saved_tensors
-    rms_eps, hc_eps, iters, deterministic = ctx.hparams
-    dU, dY, grad_stats = zeros_for_missing(X, dU, dY, grad_stats)
-    dX, dfn, dscale, dbase = torch.ops.cakeops.mhc_backward_finish(
-        X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters, deterministic)
-    return dX, dfn, dscale, dbase, None, None, None, None
+    grads = prepare_backward(torch.ops.cakeops.mhc_backward_finish, X, fn, scale, base, stats, dU, dY, grad_stats,
+                             ctx.hparams, ctx.deterministic)
+    return grads + (None, None, None, None)
 
 
 def _setup_finish(ctx, inputs, output):
     X, B, stats, _, _ = inputs
     ctx.save_for_backward(X, B, stats)
+    ctx.set_materialize_grads(False)
 
 
 def _backward_finish_node(ctx, dY):
     X, B, stats = ctx.saved_tensors
-    dB, grad_stats = torch.ops.cakeops.mhc_backward_prepare(dY, B, X, stats)
-    # No gradient for X here: dY travels to the prepare node as the edge's gradient (module docstring).
-    return None, dB, None, dY, grad_stats
+    return finish_backward(torch.ops.cakeops.mhc_backward_prepare, X, B, stats, dY)
 
 
 def _setup_head(ctx, inputs, output):
     ctx.n = inputs[0].shape[1]
+    ctx.set_materialize_grads(False)
 
 
 def _backward_head(ctx, dY):
-    return torch.ops.cakeops.mhc_head_bwd(dY, ctx.n)
+    return head_backward(torch.ops.cakeops.mhc_head_bwd, dY, ctx.n)
 
 
 mhc_prepare.register_autograd(_backward_prepare_node, setup_context=_setup_prepare)

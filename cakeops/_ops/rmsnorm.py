@@ -91,31 +91,48 @@ inductor.register_fake(add_rmsnorm_fwd, fake.add_rmsnorm_fwd)
 inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd)
 
 
-def _setup_plain(ctx, inputs, output):
-    x, w, _, deterministic = inputs
-    ctx.save_for_backward(x, w, output[1])
-    ctx.deterministic = deterministic
+# ---- autograd: one formula for the eager Function and the registered autograd ----
+
+def backward_formula(bwd, h: Tensor, w: Tensor, rstd: Tensor, grad_y: Optional[Tensor], grad_h: Optional[Tensor],
+                     has_residual: bool, deterministic: bool):
+    """(dx, dw, dresidual) from the saved (x or h_new, w, rstd) and the incoming gradients of y and h_new.
+
+    ``bwd`` is the backward entry: ``backward_impl`` (eager, the kernels directly) or the ``rmsnorm_bwd`` op
+    (compiled, so the AOT backward graph holds it); both take (g, x, w, rstd, g_residual, deterministic).
+    Gradients are not materialized: a missing grad_h adds nothing (no zero tensor read), a missing grad_y
+    means y was unused, and then h_new's gradient passes straight to x and residual with no kernel at all.
+    """
+    if grad_y is None:
+        return grad_h, None, grad_h
+    dx, dw = bwd(rows(grad_y), rows(h), w, rstd if rstd.dim() == 1 else rstd.reshape(-1),
+                 None if grad_h is None else rows(grad_h), deterministic)
+    dx = dx if h.dim() == 2 else dx.view(h.shape)
+    return dx, dw.to(w.dtype), (dx if has_residual else None)
 
 
-def _backward_plain(ctx, grad_y, grad_rstd):
-    x, w, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.cakeops.rmsnorm_bwd(grad_y, x, w, rstd, None, ctx.deterministic)
-    return dx, dw.to(w.dtype), None, None
+def rows(t: Tensor) -> Tensor:
+    """[..., H] -> [T, H], a view whenever the layout allows (the kernels' entry copies what they cannot read)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _setup_residual(ctx, inputs, output):
-    _, _, w, _, deterministic = inputs
-    # The backward reads h_new (an output), never x or residual: nothing else of size [T, H] is kept.
-    ctx.save_for_backward(output[2], w, output[1])
-    ctx.deterministic = deterministic
+def _setup(ctx, inputs, output):
+    has_residual = len(inputs) == 5
+    w, deterministic = inputs[-3], inputs[-1]
+    # With a residual the backward reads h_new (an output), never x or residual: nothing else of size
+    # [T, H] is kept.
+    ctx.save_for_backward(output[2] if has_residual else inputs[0], w, output[1])
+    ctx.deterministic, ctx.has_residual = deterministic, has_residual
+    ctx.set_materialize_grads(False)
 
 
-def _backward_residual(ctx, grad_y, grad_rstd, grad_h):
-    h_new, w, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.cakeops.rmsnorm_bwd(grad_y, h_new, w, rstd, grad_h, ctx.deterministic)
-    # x and residual enter only through h_new = x + residual: they share one gradient tensor.
-    return dx, dx, dw.to(w.dtype), None, None
+def _backward(ctx, grad_y, grad_rstd, grad_h=None):
+    h, w, rstd = ctx.saved_tensors
+    dx, dw, dres = backward_formula(torch.ops.cakeops.rmsnorm_bwd, h, w, rstd, grad_y, grad_h, ctx.has_residual,
+                                    ctx.deterministic)
+    if ctx.has_residual:  # (x, residual, w, eps, deterministic)
+        return dx, dres, dw, None, None
+    return dx, dw, None, None
 
 
-rmsnorm_fwd.register_autograd(_backward_plain, setup_context=_setup_plain)
-add_rmsnorm_fwd.register_autograd(_backward_residual, setup_context=_setup_residual)
+rmsnorm_fwd.register_autograd(_backward, setup_context=_setup)
+add_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup)

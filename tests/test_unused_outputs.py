@@ -1,0 +1,95 @@
+"""Outputs that do not reach the loss: no zero gradient is materialized, the right gradients still arrive,
+eagerly and compiled (the eager Functions and the registered autograd share one formula per node)."""
+import pytest
+import torch
+
+from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare
+from cakeops.cake_rmsnorm_train import cake_rmsnorm
+from cakeops.reference import mhc as reference
+from cakeops.testing import rel_err
+from conftest import DEVICE
+
+MODES = ["eager", "compiled"]
+
+
+def _run(mode, fn):
+    if mode == "compiled":
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")
+    return fn
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rmsnorm_only_h_new_used(backend, mode):
+    """y unused: h_new's gradient reaches x and residual as is; w gets none; no kernel needed."""
+    x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    res = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(32, device=DEVICE, requires_grad=True)
+    g = torch.randn(6, 32, device=DEVICE)
+    h_new = _run(mode, lambda x, res, w: cake_rmsnorm(x, w, 1e-6, residual=res)[1])(x, res, w)
+    h_new.backward(g)
+    assert torch.equal(x.grad, g) and torch.equal(res.grad, g)
+    assert w.grad is None or torch.count_nonzero(w.grad) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rmsnorm_only_y_used(backend, mode):
+    """h_new unused: the backward gets no g_residual (none is read) and matches the run where h_new's
+    gradient is an explicit zero tensor."""
+    x = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    res = torch.randn(6, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(32, device=DEVICE, requires_grad=True)
+    g = torch.randn(6, 32, device=DEVICE)
+    y = _run(mode, lambda x, res, w: cake_rmsnorm(x, w, 1e-6, residual=res)[0])(x, res, w)
+    got = torch.autograd.grad(y, [x, res, w], g)
+    y2, h2 = cake_rmsnorm(x, w, 1e-6, residual=res)
+    want = torch.autograd.grad([y2, h2], [x, res, w], [g, torch.zeros_like(h2)])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def _mhc_inputs(T=7, C=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(T, 4, C, generator=g).to(DEVICE).requires_grad_()
+    fn = (torch.randn(24, 4 * C, generator=g) * 0.2).to(DEVICE).requires_grad_()
+    scale = torch.tensor([1.0, 1.0, 3.0], device=DEVICE, requires_grad=True)
+    base = torch.randn(24, generator=g).to(DEVICE).requires_grad_()
+    return X, fn, scale, base
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mhc_only_u_used(backend, mode):
+    """The finish's output unused: the prepare node's backward still gives X, fn, scale, base their
+    gradients through U alone (dY and grad_stats zero), against fp64 autograd of the reference math."""
+    X, fn, scale, base = _mhc_inputs()
+    gU = torch.randn(X.shape[0], X.shape[2], device=DEVICE)
+
+    def layer(X, fn, scale, base):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, sinkhorn_iters=5)
+        cake_mhc_train_finish(X, torch.tanh(U), handle)  # computed, never used
+        return U
+
+    U = _run(mode, layer)(X, fn, scale, base)
+    got = torch.autograd.grad(U, [X, fn, scale, base], gU)
+    leaves = [t.detach().double().requires_grad_() for t in (X, fn, scale, base)]
+    pre = reference.coefficients(*leaves, 1e-5, 1e-6, 5)[0]
+    U64 = torch.einsum("ti,tic->tc", pre, leaves[0])
+    want = torch.autograd.grad(U64, leaves, gU.double())
+    for name, a, b in zip(["dX", "dfn", "dscale", "dbase"], got, want):
+        assert rel_err(a, b) <= 2e-3, name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mhc_layer_output_unused_gives_no_gradient(backend, mode):
+    """Neither U's consumer nor Y reaches the loss: the parameters get no gradient and nothing fails."""
+    X, fn, scale, base = _mhc_inputs(seed=1)
+    other = torch.randn(3, device=DEVICE, requires_grad=True)
+
+    def step(X, fn, scale, base, other):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, sinkhorn_iters=3)
+        cake_mhc_train_finish(X, U, handle)
+        return (other * 2).sum() + 0 * X.sum()
+
+    _run(mode, step)(X, fn, scale, base, other).backward()
+    assert fn.grad is None or torch.count_nonzero(fn.grad) == 0
+    assert torch.equal(other.grad, torch.full_like(other, 2.0))
