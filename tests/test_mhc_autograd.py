@@ -13,7 +13,7 @@ from cakeops.testing import rel_err
 from conftest import DEVICE
 
 N, M = 4, 24
-# SPEC §5: gradients with bf16 data <= 1e-2; fp32 data through a TF32 projection <= 2e-3.
+# design.md §3: gradients with bf16 data <= 1e-2; fp32 data through a TF32 projection <= 2e-3.
 GRAD_TOL = {torch.bfloat16: 1e-2, torch.float32: 2e-3}
 FWD_TOL = {torch.bfloat16: 8e-3, torch.float32: 1e-3}  # bf16: two ulps, the interpreter truncates
 

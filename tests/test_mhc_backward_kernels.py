@@ -3,8 +3,8 @@ fp64 reference math and vs fp64 autograd through the reference layer. On CPU the
 interpreter (small shapes), on a GPU on CUDA tensors.
 
 Interpreter caveats (DESIGN.md): fp32 -> bf16 casts truncate there, and fp32 tl.dot is exact, so on CPU the
-bf16 outputs get SPEC §5's tolerance while everything computed in fp32 end to end gets a tight one; on a GPU
-the TF32 projections get SPEC §5's (1e-2 with bf16/fp16 data, 2e-3 with fp32 data).
+bf16 outputs get design.md §3's tolerance while everything computed in fp32 end to end gets a tight one; on a GPU
+the TF32 projections get design.md §3's (1e-2 with bf16/fp16 data, 2e-3 with fp32 data).
 """
 import math
 import zlib
@@ -37,7 +37,7 @@ def gen(request):
 
 
 def data_tol(dtype):
-    """dX / dB: SPEC §5 for 16-bit data; fp32 data is exact up to fp32 rounding on CPU, TF32 on a GPU."""
+    """dX / dB: design.md §3 for 16-bit data; fp32 data is exact up to fp32 rounding on CPU, TF32 on a GPU."""
     if dtype != torch.float32:
         return 1e-2
     return 2e-3 if ON_GPU else 1e-5

@@ -3,7 +3,7 @@ fp64 reference math. On CPU they run under the Triton interpreter (small shapes)
 
 Interpreter caveats (DESIGN.md): fp32 -> bf16 casts truncate there, so bf16 outputs get twice the rounding
 error of a GPU and no bitwise bf16 claims are made on CPU; fp32 tl.dot is exact there, so the CPU tolerances
-of FP32 records are the tight ones (the GPU's TF32 projection gets SPEC §5's 1e-3).
+of FP32 records are the tight ones (the GPU's TF32 projection gets design.md §3's 1e-3).
 """
 import math
 import zlib
@@ -31,7 +31,7 @@ def gen(request):
 
 
 def stats_tol(dtype):
-    """bf16 X: bf16 MMA with fn split hi + lo (~1e-5 measured). Others: TF32 on a GPU (SPEC §5's 1e-3), the
+    """bf16 X: bf16 MMA with fn split hi + lo (~1e-5 measured). Others: TF32 on a GPU (design.md §3's 1e-3), the
     interpreter's exact fp32 dot on CPU."""
     if dtype == torch.bfloat16:
         return 2e-4
@@ -39,7 +39,7 @@ def stats_tol(dtype):
 
 
 def out_tol(dtype):
-    """SPEC §5 for the data outputs; the interpreter's truncating bf16 cast doubles the rounding error."""
+    """design.md §3 for the data outputs; the interpreter's truncating bf16 cast doubles the rounding error."""
     if dtype == torch.float32:
         return 1e-3 if ON_GPU else 1e-5
     return 4e-3 if (ON_GPU or dtype != torch.bfloat16) else 8e-3

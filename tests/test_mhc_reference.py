@@ -56,7 +56,7 @@ def explicit_layer_grads(X, fn, scale, base, branch, gY, rms_eps, hc_eps, iters)
 # --- Sinkhorn -----------------------------------------------------------------------------------
 
 def sinkhorn_literal(a, eps, iters):
-    """SPEC §2 step 3 for one token, scalar loops."""
+    """design.md §2 step 3 for one token, scalar loops."""
     n = len(a)
     P = [[math.exp(v) for v in row] for row in a]
     P = [[v / sum(row) + eps for v in row] for row in P]
@@ -143,8 +143,8 @@ def test_explicit_backward_matches_autograd(gen, branch_kind, iters, rms_eps, hc
 # --- Dtype handling: fp32 / bf16 / fp16 data vs the fp64 oracle ------------------------------------
 # Each op gets the same inputs as the oracle (which reads them upcast), so the only differences are the
 # compute dtype (fp32) and the one rounding of each data-dtype output. Bounds: data-dtype outputs
-# (U, Y, dB, dX) within SPEC §5's forward bound for bf16/fp16 data; FP32 records and parameter gradients
-# within 1e-5, tighter than SPEC §5 grants the kernels (the reference has no TF32/bf16 projection).
+# (U, Y, dB, dX) within design.md §3's forward bound for bf16/fp16 data; FP32 records and parameter gradients
+# within 1e-5, tighter than design.md §3 grants the kernels (the reference has no TF32/bf16 projection).
 ROUNDED_TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}
 
 
@@ -192,7 +192,7 @@ def test_low_precision_ops_match_fp64(gen, dtype, rms_eps, hc_eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_low_precision_layer_within_spec(gen, dtype):
-    """End to end (prepare, tanh branch, finish and both backwards) against the all-fp64 chain, SPEC §5 bounds.
+    """End to end (prepare, tanh branch, finish and both backwards) against the all-fp64 chain, design.md §3 bounds.
 
     dscale is left out for bf16: it is three sums over tokens with cancellation, and the bf16 rounding of
     U/B/dB/dU between the ops alone moves it by up to ~2e-2 relative at T=32 -- not a property of the ops.

@@ -24,7 +24,7 @@ def fwd_tol(dtype, backend):
 
 
 def _oracle(x, w, eps, residual, gy, gh, h_new=None):
-    """fp64 autograd through the SPEC math. h_new is rounded to x.dtype on the way forward and passes the
+    """fp64 autograd through the math of design.md §1. h_new is rounded to x.dtype on the way forward and passes the
     gradient straight through; given the op's own h_new, the oracle normalizes exactly that tensor (the
     Triton interpreter rounds by truncation, so its h_new can sit one ulp from round-to-nearest)."""
     x64 = x.detach().double().requires_grad_()

@@ -1,4 +1,4 @@
-"""mHC backward_finish kernels and launcher: the prepare node's backward (SPEC §2), after the branch's.
+"""mHC backward_finish kernels and launcher: the prepare node's backward (design.md §2), after the branch's.
 
 Four launches, six when deterministic:
 
@@ -182,7 +182,7 @@ def _register_cap(maxnreg: Optional[int]) -> dict:
 
 def _precision(dtype: torch.dtype) -> str:
     # fp32 data: three-pass TF32 (near-fp32 products; a single TF32 pass moved dscale by 3.5e-3 on H200,
-    # over SPEC's 2e-3). 16-bit data is exact in TF32 and its tolerance is 1e-2.
+    # over design.md §3's 2e-3). 16-bit data is exact in TF32 and its tolerance is 1e-2.
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 

@@ -47,7 +47,7 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
 
     Walks the columns in BLOCK_C chunks, the n streams of a chunk together (no div/mod to unflatten K).
     fn rows past M are masked to zero.
-    Tensor cores for the projection (SPEC §5 allows it): bf16 x is exact in a bf16 MMA and fn is split
+    Tensor cores for the projection (design.md §3 allows it): bf16 x is exact in a bf16 MMA and fn is split
     into bf16 hi + lo (~16 mantissa bits; on an H200 both faster and ~10x more accurate than TF32);
     other dtypes take fp32 x with TF32. The interpreter's bf16 dot is broken, so there the same pieces
     go through an fp32 dot. PRESPLIT: FN is [2, M, K] bf16 (hi, lo), split once per call by _split_fn_kernel,
@@ -221,7 +221,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit,
-        # fp32 X: three-pass TF32, near-fp32 projection (SPEC §5's 1e-3 on records with one pass is tight).
+        # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )

@@ -26,7 +26,7 @@ class Case:
     run: Callable[[State], Any]
     nbytes: Callable[[State], int]
     check: Callable[[State], Mapping[str, float]]  # output name -> relative error vs the oracle
-    tol: Mapping[str, float]  # output name -> largest acceptable relative error (SPEC §5)
+    tol: Mapping[str, float]  # output name -> largest acceptable relative error (design.md §3)
     peers: Mapping[str, Callable[[State], Any]] = field(default_factory=dict)
     tiny: Mapping[str, int] = field(default_factory=lambda: {"T": 64, "H": 384})  # the CPU check's size
     dtype: torch.dtype = torch.bfloat16

@@ -17,7 +17,7 @@ from .core import Case, generator, register
 
 EPS = 1e-6
 SHAPES = ({"T": 32768, "H": 4096}, {"T": 16384, "H": 8192})  # the first one is `bench --quick`
-FWD_TOL = {"y": 4e-3, "rstd": 1e-5, "h_new": 4e-3}  # SPEC §5, bf16 outputs and the FP32 record
+FWD_TOL = {"y": 4e-3, "rstd": 1e-5, "h_new": 4e-3}  # design.md §3, bf16 outputs and the FP32 record
 BWD_TOL = {"dx": 1e-2, "dw": 1e-2}
 
 
@@ -67,7 +67,7 @@ def _fwd_check(s):
     d = SimpleNamespace(**_as_double(s))
     want = {}
     if s.residual is not None:
-        # SPEC: the op normalizes its own rounded h_new. So h_new is checked against the exact sum and
+        # design.md §1: the op normalizes its own rounded h_new. So h_new is checked against the exact sum and
         # (y, rstd) against the oracle applied to that h_new -- which also holds where the rounding is
         # not to nearest (the Triton interpreter truncates).
         want["h_new"] = d.x + d.residual

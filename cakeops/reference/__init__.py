@@ -1,7 +1,7 @@
 """The math of every cakeops op in plain torch: the CPU implementation and the tests' oracle.
 
 Dtype-generic: float64 inputs compute in float64 (the oracle), anything else in float32; outputs the
-SPEC rounds to the input dtype are cast once at the end.
+design.md §2 rounds to the input dtype are cast once at the end.
 """
 import torch
 

@@ -1,7 +1,7 @@
 """The mHC math in plain torch: the CPU implementation of every mHC op and the tests' fp64 oracle.
 
 Dtype rule (every function): the math runs in float64 when any tensor argument is float64, else in
-float32. Outputs that SPEC §2 rounds to the data dtype (U, Y, dB, dX, head) are cast once, at the end;
+float32. Outputs that design.md §2 rounds to the data dtype (U, Y, dB, dX, head) are cast once, at the end;
 the records (stats, grad_stats) and the parameter gradients (dfn, dscale, dbase) stay in the compute
 dtype (float32, or float64 for the oracle).
 
@@ -75,7 +75,7 @@ def _sinkhorn_replay(a: Tensor, hc_eps: float, iters: int) -> Tuple[Tensor, Tens
 
 
 def sinkhorn(a: Tensor, hc_eps: float, iters: int) -> Tensor:
-    """a [T, n, n] logits -> comb [T, n, n] (SPEC §2 step 3). Differentiable by autograd."""
+    """a [T, n, n] logits -> comb [T, n, n] (design.md §2 step 3). Differentiable by autograd."""
     return _sinkhorn_replay(a, hc_eps, iters)[2]
 
 

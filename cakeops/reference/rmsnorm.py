@@ -1,4 +1,4 @@
-"""RMSNorm with optional residual add, forward and backward (SPEC §1), in plain torch on [T, H] rows."""
+"""RMSNorm with optional residual add, forward and backward (design.md §1), in plain torch on [T, H] rows."""
 from typing import Optional
 
 import torch
