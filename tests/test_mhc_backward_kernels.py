@@ -2,7 +2,7 @@
 fp64 reference math and vs fp64 autograd through the reference layer. On CPU they run under the Triton
 interpreter (small shapes), on a GPU on CUDA tensors.
 
-Interpreter caveats (DESIGN.md): fp32 -> bf16 casts truncate there, and fp32 tl.dot is exact, so on CPU the
+Interpreter caveats (docs/design.md §5): fp32 -> bf16 casts truncate there, and fp32 tl.dot is exact, so on CPU the
 bf16 outputs get design.md §3's tolerance while everything computed in fp32 end to end gets a tight one; on a GPU
 the TF32 projections get design.md §3's (1e-2 with bf16/fp16 data, 2e-3 with fp32 data).
 """

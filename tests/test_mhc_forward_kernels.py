@@ -1,7 +1,7 @@
 """The mHC forward Triton kernels (cakeops/_triton/mhc_forward.py) called through their launchers, vs the
 fp64 reference math. On CPU they run under the Triton interpreter (small shapes), on a GPU on CUDA tensors.
 
-Interpreter caveats (DESIGN.md): fp32 -> bf16 casts truncate there, so bf16 outputs get twice the rounding
+Interpreter caveats (docs/design.md §5): fp32 -> bf16 casts truncate there, so bf16 outputs get twice the rounding
 error of a GPU and no bitwise bf16 claims are made on CPU; fp32 tl.dot is exact there, so the CPU tolerances
 of FP32 records are the tight ones (the GPU's TF32 projection gets design.md §3's 1e-3).
 """

@@ -13,26 +13,14 @@ Four launches, six when deterministic:
 * deterministic: the partials (per token split for dfn, per program for dbase / dscale) are summed in a
   fixed order by ``partials.sum_partials`` and ``_params_reduce_kernel``; otherwise added with atomics.
 
-Why this split: dX needs dz, which needs the whole-C reduction dpre, so X and dU are read for dpre and again
-by B. dpre has its own kernel because A's Sinkhorn backward is latency-bound: inside the streaming kernel it
-cost 221 us against 153 (dpre, at the copy ceiling) + 44 (A) on an H200 (T=16384, C=4096, bf16).
-dfn is a third read of X: accumulating it in B instead (dz^T @ x per token block, [M, K] partials in
-registers) cost B so many registers and layout conversions that B + its reduction took 0.92 ms at best
-against 0.61 ms for B alone plus 0.14 ms for C, which streams X at 3.8 TB/s.
-B moves 2.9 TB/s, not the ~4 of the streaming kernels, because its loads wait: Nsight Compute (H200,
-2026-11-29) puts half of its stall samples on global loads. The [N, BLOCK_T, BLOCK_C] X tile is loaded with the
-stream axis across lanes, unlike the dU / dY_j tiles, and changes layout through shared memory behind a block
-barrier right after its load (15% of the samples on that one store), so the tile's other loads are issued only
-once X has arrived: two dependent rounds of loads per tile at 4 programs of 4 warps per SM (triton 3.6's sm_90
-build: 3 layout changes, 11 barriers). ``x_per_stream`` loads X as four tiles in the dY layout instead (one round,
-2 layout changes, 127 registers in that build; not yet timed on a GPU). Measured and rejected: the next tile's
-loads issued first (194 registers, 2 programs/SM: 717 us against 606), the tiles as tensor-core operands
-(identity @ tile, streamed by the pipeline's asynchronous copies: 699 us), one-warp programs whose layout changes
-are warp shuffles (969 us).
-The params reduction is one program per output (dbase[m], dscale[g]): 8 us against 13 for one program.
-Fusing A into B through tickets (column slices of a token block, the last slice to arrive runs A's per-block
-math, dX re-read from L2; deadlock-free, tested) measured slower: 1.39 ms at best against 1.00 ms (commit a775c8e,
-2026-11-29); the fused kernel needs 175-242 registers.
+Why this split: dX needs dz, which needs dpre, a reduction over the whole row of C, so X and dU are read
+once for dpre and again by B (two passes: the floor for a row reduction without cross-CTA exchange). dpre has
+its own streaming kernel because A's Sinkhorn backward is latency-bound and stalls a streaming kernel that
+carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
+changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
+rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
+``FinishConfig(x_per_stream=True)`` loads X as n per-stream tiles in the dY tiles' layout (one round of loads
+instead of two dependent ones); it is opt-in until it measures faster (docs/perf.md).
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional

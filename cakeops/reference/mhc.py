@@ -10,10 +10,10 @@ Shapes: X [T, n, C], fn [M, K=n*C], scale [3], base [M], B / U / dU [T, C], dY [
 the stats records need n = 4 (the layout of cakeops.meta.mhc_layout).
 
 Sinkhorn recompute strategy: the forward keeps only `mix` (in stats); the backward rebuilds the logits
-from mix/scale/base and replays the Sinkhorn iteration. Here the replay keeps every normalization's
-input in a [2*iters-1, T, n, n] buffer, then walks it in reverse. A kernel does the same per token on a
-4x4 tile in registers, without the buffer: it recomputes the input of step s by replaying steps 0..s-1
-from the logits (or from a checkpoint of a few iterates), which is cheap next to reading X.
+from mix/scale/base and replays the Sinkhorn iteration, keeping every normalization's input in a
+[2*iters-1, T, n, n] buffer, then walks it in reverse. The backward kernel does the same per token block,
+with a per-program scratch buffer of the same iterates (cakeops/_triton/mhc_backward_dlogits.py): linear in
+iters, where replaying steps 0..s-1 for every reverse step s would be quadratic.
 """
 import functools
 from typing import Callable, Tuple
