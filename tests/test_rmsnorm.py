@@ -246,6 +246,14 @@ def test_supported():
         assert is_cake_rmsnorm_train_supported("cuda", 5120)
 
 
+@pytest.mark.parametrize("capability, supported", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_supported_claims_ampere_and_newer(monkeypatch, capability, supported):
+    """The claim is sm_80+ (bf16 tensor-core dots); the GPU tests run on sm_90."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert is_cake_rmsnorm_train_supported("cuda:0", 4096) is supported
+
+
 def _good():
     x = torch.randn(4, 16, device=DEVICE, dtype=torch.bfloat16)
     return x, torch.randn(16, device=DEVICE, dtype=torch.bfloat16)
