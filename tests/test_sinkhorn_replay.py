@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from cakeops._triton.mhc_columns import MIX, STATS_WIDTH
-from cakeops._triton.mhc_math import sinkhorn
+from cakeops._triton.mhc_backward_finish import FinishConfig
+from cakeops._triton.mhc_math import SINKHORN_TILE, sinkhorn
 from cakeops.cake_mhc_train import cake_mhc_train_forward_prepare
 from cakeops.meta.mhc_layout import COMB, N_LOGITS, N_STREAMS
 from conftest import DEVICE
@@ -39,7 +40,8 @@ def _probe_kernel(STATS, SCALE, BASE, OUT_FWD, OUT_REPLAY, SCR, T, hc_eps, iters
 @pytest.mark.parametrize("hc_eps", [1e-6, 0.05])
 def test_replay_is_bitwise_the_forward(triton_kernels, iters, hc_eps):
     g = torch.Generator().manual_seed(1000 + iters)
-    T, C, block_t = 13, 16, 8
+    T, C = 13, 16
+    block_t, warps = SINKHORN_TILE  # the tile of both kernels: the sums over 4 then run in the same order
     X = torch.randn(T, N, C, generator=g).to(DEVICE, torch.float32)
     fn = (torch.randn(N_LOGITS, N * C, generator=g) * 0.3).to(DEVICE)
     scale = torch.tensor([0.5, 0.5, 3.0], device=DEVICE)  # logits far from uniform: the Sinkhorn has work to do
@@ -49,8 +51,19 @@ def test_replay_is_bitwise_the_forward(triton_kernels, iters, hc_eps):
     fwd = torch.full((T, N * N), float("nan"), device=DEVICE)
     replay = torch.full_like(fwd, float("nan"))
     scratch = torch.empty(programs * (2 * iters - 1) * block_t * N * N, device=DEVICE)
-    _probe_kernel[(programs,)](stats, scale, base, fwd, replay, scratch, T, hc_eps, iters, N=N, BLOCK_T=block_t)
+    _probe_kernel[(programs,)](stats, scale, base, fwd, replay, scratch, T, hc_eps, iters, N=N, BLOCK_T=block_t,
+                               num_warps=warps)
     stored = stats[:, COMB:COMB + N * N]
     assert torch.equal(replay, fwd)
     assert torch.equal(fwd, stored)
     assert not torch.allclose(stored, torch.full_like(stored, 1.0 / N), atol=1e-2)  # a comb far from uniform
+
+
+def test_backward_runs_the_sinkhorn_on_the_forward_tile():
+    import inspect
+
+    from cakeops._triton.mhc_prepare import prepare
+
+    defaults = inspect.signature(prepare).parameters
+    assert (defaults["gates_block_t"].default, defaults["gates_warps"].default) == SINKHORN_TILE
+    assert (FinishConfig().dlogits_block_t, FinishConfig().dlogits_warps) == SINKHORN_TILE

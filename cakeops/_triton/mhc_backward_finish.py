@@ -34,6 +34,7 @@ from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
+from .mhc_math import SINKHORN_TILE
 from .partials import sum_partials
 
 
@@ -82,8 +83,8 @@ class FinishConfig:
     dpre_block_t: int = 32       # dpre kernel: tokens per program
     dpre_block_c: int = 128      # dpre kernel: columns per chunk
     dpre_warps: int = 4
-    dlogits_block_t: int = 8     # kernel A: tokens per block
-    dlogits_warps: int = 1
+    dlogits_block_t: int = SINKHORN_TILE[0]  # kernel A: tokens per block, warps (the forward's Sinkhorn
+    dlogits_warps: int = SINKHORN_TILE[1]    # tile: its replay is then bitwise the forward's)
     dlogits_per_sm: int = 16     # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program

@@ -3,9 +3,15 @@
 The backward (kernel A) replays the forward's Sinkhorn to get the iterates its exact gradient needs; the
 replay is only exact if it computes the very same bits as forward_prepare, so both call ``sinkhorn`` here, the
 replay with ``RECORD`` set (tests/test_sinkhorn_replay.py holds the two modes to each other and to the record).
+Same code is not enough on a GPU: a sum over 4 elements is evaluated in an order that depends on how the
+[BLOCK_T, n, n] tile is spread over threads, so both kernels run the Sinkhorn on tiles of SINKHORN_TILE.
 """
 import triton
 import triton.language as tl
+
+# (tokens per block, warps) of the kernels that run the Sinkhorn: the gates kernel of forward_prepare and kernel
+# A of backward_finish. One layout for both, or the replay is only close to the forward, not equal.
+SINKHORN_TILE = (8, 1)
 
 
 @triton.jit

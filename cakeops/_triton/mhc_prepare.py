@@ -33,7 +33,7 @@ from .mhc_columns import (
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
-from .mhc_math import sigmoid, sinkhorn
+from .mhc_math import SINKHORN_TILE, sigmoid, sinkhorn
 from .mhc_streams import collapse
 
 
@@ -185,8 +185,8 @@ def _project_config(X: torch.Tensor, T: int, C: int):
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, slices: Optional[int] = None, gates_block_t: int = 8,
-            gates_warps: int = 1, collapse_block_c: Optional[int] = None, presplit: bool = True) -> None:
+            num_stages: Optional[int] = None, slices: Optional[int] = None, gates_block_t: int = SINKHORN_TILE[0],
+            gates_warps: int = SINKHORN_TILE[1], collapse_block_c: Optional[int] = None, presplit: bool = True) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats. Projection tiles left None take the defaults of ``_project_config``;
