@@ -19,8 +19,9 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
-``FinishConfig(x_per_stream=True)`` loads X as n per-stream tiles in the dY tiles' layout (one round of loads
-instead of two dependent ones); it is opt-in until it measures faster (docs/perf.md).
+Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
+``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
+shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
 """
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -99,7 +100,8 @@ class FinishConfig:
     dfn_stages: Optional[int] = 3
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
-    x_per_stream: bool = False   # kernel B: X as four per-stream tiles in the layout of the dY tiles (untimed)
+    x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
+    #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
 
 

@@ -56,7 +56,7 @@ def _sync(device: str) -> None:
 
 
 def run(blocks=16, dim=32, heads=4, vocab=48, batch=2, seq=16, steps=3, dtype=torch.float32, device="cpu",
-        seed=0, lr=1e-3, log=None) -> dict:
+        seed=0, lr=1e-4, log=None) -> dict:
     """Trains the eager and the compiled copy for ``steps`` steps on the same tokens; returns the record."""
     eager = build(blocks, dim, heads, vocab, seq, dtype, device, seed)
     compiled_model = copy.deepcopy(eager)
@@ -113,12 +113,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activations and branch weights; mHC mappings stay FP32 (float32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
     p.add_argument("--json", default=None, help="write the record here")
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}; {args.blocks} blocks ({2 * args.blocks} mHC layers), C={args.dim}, "
           f"{args.dtype} on {args.device}: compiling with Inductor...", flush=True)
     record = run(args.blocks, args.dim, args.heads, 48, args.batch, args.seq, args.steps,
-                 getattr(torch, args.dtype), args.device, log=lambda s: print(s, flush=True))
+                 getattr(torch, args.dtype), args.device, lr=args.lr, log=lambda s: print(s, flush=True))
     steady = record["step_s_compiled"][1:] or record["step_s_compiled"]
     print(f"compile (first step) {record['compile_s']:.1f} s; compiled step {sorted(steady)[len(steady) // 2]:.4f} s; "
           f"loss max |eager - compiled| {record['loss_max_abs_diff']:.3g}; "

@@ -64,6 +64,8 @@ def _backward_finish_variants():
     # kernel B with 3 pipeline stages: 96 registers in triton 3.6's sm_90 build (2 stages: 128), so 5 programs / SM
     for per_sm in (4, 5):
         yield dict(config=FinishConfig(stages=3, per_sm=per_sm)), None
+    # kernel B with X as one [n, BLOCK_T, BLOCK_C] tile (the default until 2026-12-01)
+    yield dict(config=FinishConfig(x_per_stream=False)), None
     # kernel B with X loaded as four per-stream tiles (all of a tile's loads issued together with triton 3.6)
     # (triton 3.6 sm_90 builds: 127 registers; 96 with 3 stages; 72 at 32 columns)
     for block_c, warps, per_sm, stages in ((64, 4, 4, 2), (64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3),
