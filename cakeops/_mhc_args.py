@@ -31,12 +31,12 @@ def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X") -> Tens
 
 
 def mapping(X: Tensor, fn, scale, base) -> None:
+    """fn, scale, base in any float dtype: FP32 as initialised, bf16/fp16 after ``model.to(dtype)`` or under an
+    FSDP2 mixed-precision policy. The math is FP32 either way; gradients come back in each parameter's dtype."""
     T, n, C = X.shape
-    like("fn", fn, X, (M, n * C), dtypes=(torch.float32,))
-    if fn.stride(-1) != 1:
-        raise ValueError("fn: expected unit stride along K (rows of fn contiguous)")
-    like("scale", scale, X, (3,), dtypes=(torch.float32,))
-    like("base", base, X, (M,), dtypes=(torch.float32,))
+    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES)
+    like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES)
+    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES)
 
 
 def hparams(rms_eps, hc_eps, sinkhorn_iters) -> tuple:

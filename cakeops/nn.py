@@ -39,11 +39,18 @@ class MHC(nn.Module):
     the logits), pre gates at 1/n (U is the mean of the streams), post gates at 1 (every stream receives the
     branch output) and a mixing matrix near the identity (diagonal logits 4).
     The branch sees ``U`` with the leading dims of X: ``[..., C]``.
+
+    Mixed precision: the mapping may be cast with the model (``model.to(torch.bfloat16)``, FSDP2's
+    ``MixedPrecisionPolicy``); the ops compute in FP32 whatever its dtype and return its gradients in its dtype.
+    ``keep_fp32_mapping=True`` keeps fn, scale and base FP32 through ``model.to(dtype)`` / ``.half()`` /
+    ``.bfloat16()`` (a cast of the model leaves their values and dtype alone, a move takes them along), for optimizers that should update FP32 mapping
+    weights -- bf16 storage rounds ``base``'s logit offsets (~4) to steps of 1/32. An FSDP2 policy casts the
+    compute copy only, so there the sharded FP32 parameters stay FP32 without the flag.
     """
 
     def __init__(self, branch: nn.Module, hidden_size: int, n_streams: int = 4, *, sinkhorn_iters: int = 20,
                  rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, save_stats: bool = True,
-                 device=None):
+                 keep_fp32_mapping: bool = False, device=None):
         super().__init__()
         from .meta import mhc_layout as layout
 
@@ -56,12 +63,24 @@ class MHC(nn.Module):
         self.hidden_size, self.n_streams = C, n
         self.sinkhorn_iters, self.rms_eps, self.hc_eps = sinkhorn_iters, rms_eps, hc_eps
         self.deterministic, self.save_stats = deterministic, save_stats
+        self.keep_fp32_mapping = keep_fp32_mapping
         self.fn = nn.Parameter(torch.randn(layout.N_LOGITS, n * C, device=device) / (n * C) ** 0.5)
         self.scale = nn.Parameter(torch.full((3,), 0.01, device=device))
         base = torch.zeros(layout.N_LOGITS, device=device)
         base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
         base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
         self.base = nn.Parameter(base)
+
+    def _apply(self, fn, recurse=True):
+        if not self.keep_fp32_mapping:
+            return super()._apply(fn, recurse)
+        mapping = (self.fn, self.scale, self.base)
+        before = [p.data for p in mapping]
+        super()._apply(fn, recurse)
+        for p, old in zip(mapping, before):
+            if p.dtype != old.dtype:  # a cast: keep the FP32 values (not re-widened rounded ones), follow the device
+                p.data = old.to(p.device)
+        return self
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         from .cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare

@@ -44,7 +44,7 @@ def positive(op: str, name: str, v) -> None:
 def rmsnorm_fwd(op: str, x, w, eps, residual=None) -> None:
     tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     T, H = x.shape
-    tensor(op, "w", w, shape=(H,), dtypes=(x.dtype, torch.float32), device=x.device)
+    tensor(op, "w", w, shape=(H,), dtypes=FLOAT_DTYPES, device=x.device)
     if residual is not None:
         tensor(op, "residual", residual, shape=(T, H), dtypes=(x.dtype,), device=x.device)
     positive(op, "eps", eps)
@@ -54,7 +54,7 @@ def rmsnorm_bwd(op: str, g, x, w, rstd, g_residual) -> None:
     tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     T, H = x.shape
     tensor(op, "g", g, shape=(T, H), dtypes=(x.dtype,), device=x.device)
-    tensor(op, "w", w, shape=(H,), dtypes=(x.dtype, torch.float32), device=x.device)
+    tensor(op, "w", w, shape=(H,), dtypes=FLOAT_DTYPES, device=x.device)
     tensor(op, "rstd", rstd, shape=(T,), dtypes=(torch.float32,), device=x.device)
     if g_residual is not None:
         tensor(op, "g_residual", g_residual, shape=(T, H), dtypes=(x.dtype,), device=x.device)
@@ -70,11 +70,11 @@ def streams(op: str, name: str, X) -> None:
 
 
 def mapping(op: str, X, fn, scale, base) -> None:
+    """Parameters in any float dtype (mixed precision casts them); the ops compute in FP32 whatever it is."""
     T, n, C = X.shape
-    fp32 = (torch.float32,)
-    tensor(op, "fn", fn, shape=(layout.N_LOGITS, n * C), dtypes=fp32, device=X.device)
-    tensor(op, "scale", scale, shape=(3,), dtypes=fp32, device=X.device)
-    tensor(op, "base", base, shape=(layout.N_LOGITS,), dtypes=fp32, device=X.device)
+    tensor(op, "fn", fn, shape=(layout.N_LOGITS, n * C), dtypes=FLOAT_DTYPES, device=X.device)
+    tensor(op, "scale", scale, shape=(3,), dtypes=FLOAT_DTYPES, device=X.device)
+    tensor(op, "base", base, shape=(layout.N_LOGITS,), dtypes=FLOAT_DTYPES, device=X.device)
 
 
 def hparams(op: str, rms_eps, hc_eps, sinkhorn_iters) -> None:

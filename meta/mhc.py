@@ -1,6 +1,6 @@
 """Fake implementations of the mHC ops: output shapes, dtypes and strides only.
 
-X, dY: [T, n, C]; B, U, dU: [T, C]; fn [M, n*C], scale [3], base [M] FP32; stats [T, STATS_WIDTH] and
+X, dY: [T, n, C]; B, U, dU: [T, C]; fn [M, n*C], scale [3], base [M] (any float dtype; their gradients FP32); stats [T, STATS_WIDTH] and
 grad_stats [T, GRAD_STATS_WIDTH] FP32 (layout: mhc_layout.py). Outputs are fresh and contiguous, except the
 two *edges* of the training prepare op, which carry no data (see ``edges``).
 """
@@ -71,5 +71,6 @@ def mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps: 
                         sinkhorn_iters: int, deterministic: bool):
     checks.mhc_backward_finish("cakeops::mhc_backward_finish", X, dY, dU, fn, scale, base, stats, grad_stats,
                                rms_eps, hc_eps, sinkhorn_iters)
-    return (torch.empty_like(X, memory_format=torch.contiguous_format), torch.empty_like(fn),
-            torch.empty_like(scale), torch.empty_like(base))
+    # parameter gradients in FP32 whatever the parameters' dtype (autograd casts them back)
+    return (torch.empty_like(X, memory_format=torch.contiguous_format),
+            *(torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in (fn, scale, base)))

@@ -36,7 +36,8 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
                  iters: int, U: Optional[Tensor] = None, stats: Optional[Tensor] = None,
                  write_U: bool = True) -> Tuple[Optional[Tensor], Tensor]:
     """(U, stats); with write_U=False only stats (forward_stats: the same kernel, bitwise the same record)."""
-    X, fn, scale, base = (unit_last(t) for t in (X, fn, scale, base))
+    X = unit_last(X)
+    fn, scale, base = fp32_params(fn, scale, base)
     T, n, C = X.shape
     stats = _empty_stats(X) if stats is None else stats
     if write_U and U is None:
@@ -51,6 +52,12 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
         if write_U:
             U.copy_(ref_U)
     return (U if write_U else None), stats
+
+
+def fp32_params(*params: Tensor):
+    """The mapping parameters as the kernels read them: FP32, rows unit-stride. Parameters cast to bf16/fp16 by
+    mixed precision are widened here (exactly: every bf16/fp16 value is an FP32 value), a copy of 2n+n*n rows."""
+    return tuple(unit_last(p if p.dtype == torch.float32 else p.float()) for p in params)
 
 
 def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
@@ -121,13 +128,13 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
     if not deterministic:
         alert_not_deterministic("cakeops mHC backward_finish with deterministic=False")
     dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
+    fn, scale, base = fp32_params(fn, scale, base)  # gradients FP32 too (autograd casts them back)
     if dfn is None or dscale is None or dbase is None:
         accumulate = False  # nothing given to add into
         dfn = torch.empty_like(fn) if dfn is None else dfn
         dscale = torch.empty_like(scale) if dscale is None else dscale
         dbase = torch.empty_like(base) if dbase is None else dbase
-    X, dY, dU, fn, scale, base, stats, grad_stats = (
-        unit_last(t) for t in (X, dY, dU, fn, scale, base, stats, grad_stats))
+    X, dY, dU, stats, grad_stats = (unit_last(t) for t in (X, dY, dU, stats, grad_stats))
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
         with _backend.kernel_device(X):
