@@ -1,0 +1,139 @@
+"""An mHC transformer trained on 2 processes (DDP, FSDP2 per block, with and without bf16 mixed precision and
+activation checkpointing, the blocks compiled with fullgraph) against one process on the concatenated batch.
+
+CPU and gloo here (CI); the same workers run with NCCL on 2 GPUs when CAKEOPS_DIST_BACKEND=nccl is set on a
+machine with 2 GPUs. Each rank trains on its half of every batch; rank 0 also trains a single-process twin on
+the whole batch and compares losses and every gradient after each step.
+"""
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cakeops.tiny_lm import TinyLM
+
+WORLD = 2
+STEPS = 3
+VOCAB, DIM = 48, 32
+# fp32: the two halves' gradients are summed in another order than one batch's: a few fp32 ulps. bf16: the twin
+# reproduces the policy's arithmetic (bf16 halves, FP32 average), so only the reduction order differs too.
+TOL = {"fp32": dict(rtol=1e-4, atol=1e-6), "bf16": dict(rtol=1e-4, atol=1e-6)}
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1]).float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return TinyLM(VOCAB, DIM, layers=2, heads=4).to(device)
+
+
+def _checkpointed(block):
+    """A whole block under non-reentrant activation checkpointing (the block's forward recomputed in backward)."""
+    forward = block.forward
+
+    def run(x):
+        return torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False)
+    block.forward = run
+    return block
+
+
+def _wrap(model, scenario, device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    blocks = list(model.blocks)
+    if "ac" in scenario:
+        for block in blocks:
+            _checkpointed(block)
+    if scenario.startswith("ddp"):
+        model.compile(fullgraph=True, backend="aot_eager")
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if "bf16" in scenario else MixedPrecisionPolicy())
+    for block in blocks:
+        block.compile(fullgraph=True, backend="aot_eager")
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    return model
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _twin_step(twin, tokens, bf16):
+    """One process's loss and gradients for the whole batch. With bf16 compute it does what the mixed-precision
+    policy does across the ranks: each half through a bf16 copy of the FP32 weights, the halves' bf16
+    gradients averaged in FP32 (reduce_dtype); FP32 compute takes the whole batch at once."""
+    if not bf16:
+        twin.zero_grad(set_to_none=True)
+        loss = _loss(twin, tokens)
+        loss.backward()
+        return loss.detach(), [p.grad.float() for p in twin.parameters()]
+    losses, grads = [], []
+    for half in tokens.chunk(WORLD):
+        compute = copy.deepcopy(twin).to(torch.bfloat16)
+        loss = _loss(compute, half)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.float() for p in compute.parameters()])
+    return torch.stack(losses).mean(), [sum(gs) / WORLD for gs in zip(*grads)]
+
+
+def _worker(rank, scenario, init_file, backend):
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = _wrap(_model(device), scenario, device)
+        twin = _model(device)
+        bf16 = "bf16" in scenario
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        tol = TOL["bf16" if bf16 else "fp32"]
+        gen = torch.Generator().manual_seed(1)
+        for step in range(STEPS):
+            tokens = torch.randint(0, VOCAB, (2 * WORLD, 17), generator=gen).to(device)
+            mine = tokens.chunk(WORLD)[rank]
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, mine)
+            loss.backward()
+            losses = [torch.zeros_like(loss.detach()) for _ in range(WORLD)]
+            dist.all_gather(losses, loss.detach())
+            grads = [_full(p.grad).float() for p in model.parameters()]
+            opt.step()
+            if rank == 0:
+                twin_loss, twin_grads = _twin_step(twin, tokens, bf16)
+                torch.testing.assert_close(torch.stack(losses).mean(), twin_loss, **tol,
+                                           msg=lambda m: f"{scenario} step {step} loss: {m}")
+                for (name, _), g, want in zip(twin.named_parameters(), grads, twin_grads):
+                    torch.testing.assert_close(g, want, **tol, msg=lambda m: f"{scenario} step {step} grad {name}: {m}")
+                with torch.no_grad():  # the twin's SGD step, on its FP32 weights
+                    for p, g in zip(twin.parameters(), twin_grads):
+                        p -= 0.05 * g
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _backend():
+    backend = os.environ.get("CAKEOPS_DIST_BACKEND", "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < WORLD:
+        pytest.skip(f"NCCL needs {WORLD} GPUs, found {torch.cuda.device_count()}")
+    return backend
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2-bf16", "fsdp2-ac"])
+def test_two_processes_train_like_one(scenario):
+    backend = _backend()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(scenario, os.path.join(tmp, "init"), backend), nprocs=WORLD, join=True)
