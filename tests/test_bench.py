@@ -198,11 +198,12 @@ def test_ncu_step_runs_one_step_inside_the_profiler_range(monkeypatch, capsys):
 
 
 def test_tune_match_keeps_the_default_and_the_matching_variants():
-    from cakeops.bench.tune import _backward_finish_variants, _label, selected
-    every = list(_backward_finish_variants())
+    from cakeops._triton.mhc_backward_finish import FinishConfig
+    from cakeops.bench.tune import _label, _variants, selected
+    every = list(_variants(FinishConfig))
     picked = list(selected(every, "per_sm=3"))
     assert picked[0][1] == "default"
-    assert len(picked) >= 2 and all("per_sm=3" in _label(kw) for kw, _ in picked[1:])
+    assert len(picked) >= 2 and all("per_sm=3" in _label(cfg) for cfg, _ in picked[1:])
     assert len(picked) < len(every)
     assert list(selected(every, "")) == every
 

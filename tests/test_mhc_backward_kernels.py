@@ -128,7 +128,7 @@ def assert_finish_close(outs, refs, dtype, rounded_upstream=False):
 def test_backward_prepare_matches_reference(triton_kernels, gen, dtype, T, C, block_c):
     case = Case(gen, T, C, dtype)
     dB, gs = poisoned(T, C, dtype=dtype), poisoned(T, GRAD_STATS_WIDTH)
-    K.backward_prepare(case.dY, case.B, case.X, case.stats, dB, gs, block_c=block_c)
+    K.backward_prepare(case.dY, case.B, case.X, case.stats, dB, gs, config=K.BackwardPrepareConfig(block_c=block_c))
     dB_ref, gs_ref = R.backward_prepare(*case.f64(case.dY, case.B, case.X), case.stats64)
     assert not dB.isnan().any() and not gs.isnan().any(), "unwritten (NaN) entries"
     assert rel_err(dB, dB_ref) <= data_tol(dtype)
@@ -167,8 +167,7 @@ def test_backward_finish_matches_reference(triton_kernels, gen, dtype, T, C, ite
 
 
 def _tune_variants():
-    from cakeops.bench.tune import _backward_finish_variants
-    return [kw["config"] for kw, _ in _backward_finish_variants() if kw]
+    return list(K.FinishConfig.candidates())
 
 
 @pytest.mark.parametrize("config", _tune_variants(), ids=lambda cfg: f"B{cfg.block_t}x{cfg.block_c}w{cfg.warps}p{cfg.per_sm}"

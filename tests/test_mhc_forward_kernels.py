@@ -78,7 +78,7 @@ def run_prepare(X, fn, scale, base, rms_eps, hc_eps, iters, with_u=True, **confi
     T, _, C = X.shape
     stats = poisoned(T, STATS_WIDTH, dtype=torch.float32)
     U = poisoned(T, C, dtype=X.dtype) if with_u else None
-    K.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U, **config)
+    K.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U, config=K.PrepareConfig(**config))
     return U, stats
 
 
@@ -136,7 +136,9 @@ def test_projection_shape_fills_the_multiprocessors(monkeypatch, T, C, want):
     from types import SimpleNamespace
     from cakeops._triton import mhc_prepare
     monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
-    assert mhc_prepare._project_config(SimpleNamespace(is_cuda=True, device=None), T, C) == want
+    X = SimpleNamespace(is_cuda=True, device=None, shape=(T, 4, C))
+    cfg = mhc_prepare.PrepareConfig().resolve(X)
+    assert (cfg.block_t, cfg.block_c, cfg.num_warps, cfg.num_stages, cfg.slices) == want
 
 
 def test_presplit_fn_gives_the_in_kernel_split_bits(triton_kernels, gen):
@@ -171,7 +173,7 @@ def test_finish_matches_reference(triton_kernels, gen, dtype, T, C, block_c):
     B = torch.randn(T, C, generator=gen).to(dtype).to(DEVICE)
     stats = reference_stats(gen, X)
     Y = poisoned(T, N, C, dtype=dtype)
-    K.finish(X, B, stats, Y, block_c=block_c)
+    K.finish(X, B, stats, Y, config=K.StreamConfig(block_c=block_c))
     assert not Y.isnan().any()
     assert rel_err(Y, R.forward_finish(X.double(), B.double(), stats.double())) <= out_tol(dtype)
 
@@ -188,7 +190,7 @@ def assert_within_ulps(out, ref, ulps):
 def test_head_forward(triton_kernels, gen, dtype, T, C, block_c):
     X = torch.randn(T, N, C, generator=gen).to(dtype).to(DEVICE)
     Y = poisoned(T, C, dtype=dtype)
-    K.head_forward(X, Y, block_c=block_c)
+    K.head_forward(X, Y, config=K.StreamConfig(block_c=block_c))
     assert not Y.isnan().any()
     assert rel_err(Y, R.head_forward(X.double())) <= out_tol(dtype)
     if ON_GPU or dtype != torch.bfloat16:
@@ -205,7 +207,7 @@ def test_head_backward(triton_kernels, gen, dtype, accumulate, T, C, block_c):
     dY = torch.randn(T, C, generator=gen).to(dtype).to(DEVICE)
     dX0 = torch.randn(T, N, C, generator=gen).to(dtype).to(DEVICE)
     dX = dX0.clone() if accumulate else poisoned(T, N, C, dtype=dtype)
-    K.head_backward(dY, dX, accumulate, block_c=block_c)
+    K.head_backward(dY, dX, accumulate, config=K.StreamConfig(block_c=block_c))
     ref = R.head_backward(dY.double(), N) + (dX0.double() if accumulate else 0.0)
     assert not dX.isnan().any()
     assert rel_err(dX, ref) <= out_tol(dtype)

@@ -60,10 +60,11 @@ def test_replay_is_bitwise_the_forward(triton_kernels, iters, hc_eps):
 
 
 def test_backward_runs_the_sinkhorn_on_the_forward_tile():
-    import inspect
+    from cakeops._triton.mhc_prepare import PrepareConfig
 
-    from cakeops._triton.mhc_prepare import prepare
-
-    defaults = inspect.signature(prepare).parameters
-    assert (defaults["gates_block_t"].default, defaults["gates_warps"].default) == SINKHORN_TILE
+    assert (PrepareConfig().gates_block_t, PrepareConfig().gates_warps) == SINKHORN_TILE
     assert (FinishConfig().dlogits_block_t, FinishConfig().dlogits_warps) == SINKHORN_TILE
+    for cfg in list(PrepareConfig.candidates()) + list(FinishConfig.candidates()):  # the tuner keeps the tile too
+        tile = (cfg.gates_block_t, cfg.gates_warps) if isinstance(cfg, PrepareConfig) else (cfg.dlogits_block_t,
+                                                                                             cfg.dlogits_warps)
+        assert tile == SINKHORN_TILE, cfg

@@ -79,7 +79,9 @@ def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor,
 @dataclass(frozen=True)
 class FinishConfig:
     """Launch shape of backward_finish. Defaults: the fastest of a sweep on an H200 (bf16, T=16384, C=4096,
-    2026-11-29; docs/perf.md). ``python -m cakeops.bench.tune --ops backward_finish`` sweeps them again."""
+    2026-11-29 and 2026-12-01; docs/perf.md), measured on sm_90 only; token splits and program counts follow the
+    GPU's multiprocessor count (``_plan``). ``candidates`` is what ``python -m cakeops.bench.tune --ops
+    backward_finish`` sweeps."""
     dpre_slices: int = 1         # dpre kernel: column slices per token block
     dpre_block_t: int = 32       # dpre kernel: tokens per program
     dpre_block_c: int = 128      # dpre kernel: columns per chunk
@@ -103,6 +105,30 @@ class FinishConfig:
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
+
+    @staticmethod
+    def candidates():
+        """The tuner's variants besides the default (kernel A keeps SINKHORN_TILE: see mhc_math.py)."""
+        # kernel B: programs per SM; taller token blocks and wider columns (all slower on the H200, 2026-11-29:
+        # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
+        for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
+            yield FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)
+        # kernel B with its registers capped so that more programs are resident
+        for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
+            yield FinishConfig(maxnreg=maxnreg, per_sm=per_sm)
+        # kernel B with 3 pipeline stages (triton 3.6's sm_90 build: 96 registers, so 5 programs / SM)
+        for per_sm in (4, 5):
+            yield FinishConfig(stages=3, per_sm=per_sm)
+        # kernel B with X as one [n, BLOCK_T, BLOCK_C] tile (the default until 2026-12-01)
+        yield FinishConfig(x_per_stream=False)
+        # kernel B with X as per-stream tiles at other shapes (triton 3.6 sm_90 builds: 127 registers; 96 with
+        # 3 stages; 72 at 32 columns)
+        for block_c, warps, per_sm, stages in ((64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3), (32, 4, 6, 2),
+                                               (32, 4, 8, 2), (128, 8, 2, 2)):
+            yield FinishConfig(block_c=block_c, warps=warps, per_sm=per_sm, stages=stages)
+        # kernel A: programs per SM; kernel C (dfn): column width
+        yield FinishConfig(dlogits_per_sm=8)
+        yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
 
 
 # Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an

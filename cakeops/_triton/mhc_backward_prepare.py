@@ -5,6 +5,8 @@ dB = round(sum_j post_j * dY_j) and the token's grad_stats row (dpost | dcomb | 
 cakeops/meta/mhc_layout.py). The products are accumulated elementwise over the chunks and reduced once
 at the end, so the chunk loop is pure loads and FMAs. No cross-token reduction: bitwise deterministic.
 """
+import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -78,14 +80,35 @@ def _rolled(dy_base, i, shift: tl.constexpr, stride_dyi, c, m, N: tl.constexpr):
     return tl.load(dy_base + ((i + shift) % N)[None, :] * stride_dyi + c, mask=m, other=0.0).to(tl.float32)
 
 
+@dataclass(frozen=True)
+class BackwardPrepareConfig:
+    """Launch shape of backward_prepare (one program per token). Default: 256 columns per warp (each thread one
+    16-byte vector of every stream), 4 warps from C = 1024 on, else 1; for sm_90 that compiles to 128
+    registers, 128-bit loads and no barrier inside the column loop. None: chosen by ``resolve``."""
+    block_c: Optional[int] = None
+    num_warps: Optional[int] = None
+
+    def resolve(self, C: int, elem_bytes: int):
+        """(BLOCK_C, num_warps, VEC) for rows of C elements of elem_bytes."""
+        vec = 16 // elem_bytes  # elements of one 16-byte load: the columns a thread folds in registers
+        num_warps = self.num_warps if self.num_warps is not None else (4 if C >= 1024 else 1)
+        block_c = self.block_c if self.block_c is not None else max(vec, min(32 * vec * num_warps,
+                                                                             next_power_of_2(C)))
+        return block_c, num_warps, min(vec, block_c)
+
+    @staticmethod
+    def candidates():
+        for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
+            if block_c >= 256 * warps:
+                yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
+
+
 def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: torch.Tensor, dB: torch.Tensor,
-                     grad_stats: torch.Tensor, *, block_c: Optional[int] = None,
-                     num_warps: Optional[int] = None) -> None:
+                     grad_stats: torch.Tensor, *, config: Optional[BackwardPrepareConfig] = None) -> None:
     """dB [T, C] = round(sum_j post_j * dY[:, j]); grad_stats [T, 32] FP32 = dpost | dcomb | zeros.
 
     dY, X [T, n, C] and B, dB [T, C] need a unit stride along C only; stats and grad_stats rows may be
-    strided too. Default tile: 256 columns per warp (each thread one 16-byte vector of every stream), 4
-    warps; for sm_90 that compiles to 128 registers, 128-bit loads and no barrier inside the column loop.
+    strided too. ``config``: the launch shape (BackwardPrepareConfig; the defaults when None).
     """
     T, n, C = X.shape
     if T == 0:
@@ -94,14 +117,10 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     assert dY.stride(2) == 1 and X.stride(2) == 1 and B.stride(1) == 1 and dB.stride(1) == 1
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
     assert grad_stats.shape == (T, layout.GRAD_STATS_WIDTH) and stats.shape == (T, layout.STATS_WIDTH)
-    vec = 16 // X.element_size()  # elements of one 16-byte load: the columns a thread folds in registers
-    if num_warps is None:
-        num_warps = 4 if C >= 1024 else 1
-    if block_c is None:
-        block_c = max(vec, min(32 * vec * num_warps, next_power_of_2(C)))
+    block_c, num_warps, vec = (config or BackwardPrepareConfig()).resolve(C, X.element_size())
     _backward_prepare_kernel[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
         dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),
         grad_stats.stride(0),
-        N=n, BLOCK_C=block_c, VEC=min(vec, block_c), num_warps=num_warps,
+        N=n, BLOCK_C=block_c, VEC=vec, num_warps=num_warps,
     )

@@ -1,6 +1,6 @@
 """The mHC forward launchers in one place: forward_prepare / forward_stats (mhc_prepare.py), forward_finish
-and the head with its backward (mhc_streams.py)."""
-from .mhc_prepare import prepare
-from .mhc_streams import finish, head_backward, head_forward
+and the head with its backward (mhc_streams.py), with their launch configs."""
+from .mhc_prepare import PrepareConfig, prepare
+from .mhc_streams import StreamConfig, finish, head_backward, head_forward
 
-__all__ = ["prepare", "finish", "head_forward", "head_backward"]
+__all__ = ["prepare", "finish", "head_forward", "head_backward", "PrepareConfig", "StreamConfig"]

@@ -20,6 +20,7 @@ cakeops/meta/mhc_layout.py. FP32 inside, IEEE division and square root, every ou
 do no argument validation (the public layer does); X is [T, n, C] with unit stride along C and any token /
 stream strides.
 """
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -34,7 +35,7 @@ from .mhc_columns import (
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_math import SINKHORN_TILE, sigmoid, sinkhorn
-from .mhc_streams import collapse
+from .mhc_streams import StreamConfig, collapse
 
 
 @triton.jit
@@ -160,42 +161,63 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
-def _project_config(X: torch.Tensor, T: int, C: int):
-    """Default (BLOCK_T, BLOCK_C, num_warps, num_stages, slices) of the projection kernel.
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Launch shape of forward_prepare / forward_stats. Fields left None are chosen for the call by ``resolve``;
+    ``candidates`` is the search space ``python -m cakeops.bench.tune --ops prepare`` sweeps.
 
-    On an H200 (bf16, T = 16384, C = 4096) 128 x 64 tiles, 8 warps, 3 stages were the fastest (sweeps over
-    BLOCK_T 32..256, BLOCK_C 32..128, 4/8 warps, 2..5 stages, 1..8 column slices): fn (1.5 MiB) is re-read
-    from L2 by every token block, so large blocks; 256 does not fit the shared memory. When T has fewer
-    128-token blocks than there are multiprocessors, the columns are split into slices so that every one
-    has a program (T = 8192: 2 slices, projection 124 -> 78 us at C = 4096, 217 -> 128 at C = 7168; halving
-    the blocks instead gave 90 and 150); only past 8 slices do the blocks shrink. The interpreter wants
-    small tiles.
+    Projection: on an H200 (bf16, T = 16384, C = 4096) 128 x 64 tiles, 8 warps, 3 stages were the fastest
+    (sweeps over BLOCK_T 32..256, BLOCK_C 32..128, 4/8 warps, 2..5 stages, 1..8 column slices): fn (1.5 MiB)
+    is re-read from L2 by every token block, so large blocks; 256 does not fit the shared memory. When T has
+    fewer 128-token blocks than there are multiprocessors, the columns are split into slices so that every one
+    has a program (T = 8192: 2 slices, projection 124 -> 78 us at C = 4096, 217 -> 128 at C = 7168; halving the
+    blocks instead gave 90 and 150); only past 8 slices do the blocks shrink. The interpreter wants small tiles.
+    ``presplit`` (bf16 X): fn split into bf16 hi / lo once per call (a 2 us kernel) instead of per tile (146 us
+    against 166). The gates kernel runs the Sinkhorn on SINKHORN_TILE (mhc_math.py). Measured on sm_90 only;
+    other GPUs take the same rules.
     """
-    block_c = max(16, min(64, next_power_of_2(C)))
-    if not X.is_cuda:
-        return 16, block_c, 4, None, 1
-    sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
-    block_t = 128
-    slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
-    while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
-        block_t //= 2
-    return block_t, block_c, (8 if block_t >= 128 else 4), (3 if block_t >= 128 else 2), slices
+    block_t: Optional[int] = None      # projection: tokens per block
+    block_c: Optional[int] = None      # projection: columns per chunk
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    slices: Optional[int] = None       # projection: column slices per token block (partials summed in order)
+    gates_block_t: int = SINKHORN_TILE[0]
+    gates_warps: int = SINKHORN_TILE[1]
+    collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
+    presplit: bool = True
+
+    def resolve(self, X: torch.Tensor) -> "PrepareConfig":
+        """This config with every None replaced by the default for X's shape and device."""
+        T, _, C = X.shape
+        block_c = max(16, min(64, next_power_of_2(C)))
+        if not X.is_cuda:
+            chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
+        else:
+            sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
+            block_t = 128
+            slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
+            while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
+                block_t //= 2
+            chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
+                          num_stages=3 if block_t >= 128 else 2, slices=slices)
+        return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
+
+    @staticmethod
+    def candidates():
+        """The tuner's variants besides the default."""
+        yield PrepareConfig(presplit=False)  # fn split per tile inside the projection
+        # 128 programs of 128 tokens leave SMs idle: shorter blocks / column slices / deeper pipelines
+        for block_t, warps, stages, block_c, slices in ((128, 8, 3, 64, 1), (128, 8, 3, 64, 2), (64, 4, 3, 64, 1),
+                                                        (64, 4, 2, 64, 2), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1)):
+            yield PrepareConfig(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices)
 
 
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
-            block_t: Optional[int] = None, block_c: Optional[int] = None, num_warps: Optional[int] = None,
-            num_stages: Optional[int] = None, slices: Optional[int] = None, gates_block_t: int = SINKHORN_TILE[0],
-            gates_warps: int = SINKHORN_TILE[1], collapse_block_c: Optional[int] = None, presplit: bool = True) -> None:
+            config: Optional[PrepareConfig] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
-    U=None is forward_stats. Projection tiles left None take the defaults of ``_project_config``;
-    ``slices`` splits the projection of every token block over that many column slices (partials in a
-    [slices, T, 32] FP32 buffer, summed in order by the gates kernel). ``gates_block_t`` / ``gates_warps``:
-    the gates kernel's token block and warps; ``collapse_block_c``: columns per program of the collapse.
-    ``presplit`` (bf16 X): fn split into bf16 hi / lo once per call (a 2 us kernel) instead of per tile in the
-    projection: the tiles go from the async copy straight to the tensor cores (projection 146 us, 166 with the
-    per-tile split). Defaults: the fastest on an H200 (2026-11-29; docs/perf.md).
+    U=None is forward_stats. ``config``: the launch shape (PrepareConfig; the defaults when None).
     """
     T, n, C = X.shape
     if T == 0:
@@ -203,16 +225,15 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     M = 2 * n + n * n
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.STATS_WIDTH) and stats.dtype == torch.float32
-    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and (slices is None or slices >= 1)
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    d_t, d_c, d_w, d_s, d_slices = _project_config(X, T, C)
-    block_t, block_c, num_warps = block_t or d_t, block_c or d_c, num_warps or d_w
-    num_stages, slices = num_stages or d_s, slices or d_slices
+    cfg = (config or PrepareConfig()).resolve(X)
+    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
+    block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
     m_pad = max(16, next_power_of_2(M))
     assert m_pad > M  # column M of a partial row carries the sum of squares
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
-    presplit = presplit and X.dtype == torch.bfloat16
+    presplit = cfg.presplit and X.dtype == torch.bfloat16
     w = fn
     if presplit:
         w = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device)
@@ -223,11 +244,11 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         INTERPRET=interpreting(), PRESPLIT=presplit,
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
-    _gates_kernel[(cdiv(T, gates_block_t),)](
+    _gates_kernel[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
-        N=n, M_PAD=m_pad, BLOCK_T=gates_block_t, num_warps=gates_warps,
+        N=n, M_PAD=m_pad, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
     if U is not None:
-        collapse(X, stats, U, block_c=collapse_block_c)
+        collapse(X, stats, U, config=StreamConfig(block_c=cfg.collapse_block_c))

@@ -10,6 +10,7 @@ grid's second dimension.
 FP32 inside, streams summed in order, every output rounded once. Launchers do no argument validation;
 X / Y / dX are [T, n, C] with unit stride along C and any token / stream strides.
 """
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -82,22 +83,32 @@ def _head_backward_kernel(DY, DX, C, stride_dyt, stride_dxt, stride_dxi, c_block
     tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-def _stream_block(C: int, block_c: Optional[int]):
-    """(BLOCK_C, num_warps) of the one-pass stream kernels: 16-byte accesses, up to 2048 columns per program
-    (H200, bf16, C = 4096: 2048 measured 1-2% above 1024 for finish and head)."""
-    if block_c is None:
-        block_c = min(2048, next_power_of_2(C))
-    return block_c, max(1, min(8, block_c // 256))
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch shape of the one-pass stream kernels (finish, the collapse U, the head and its backward): 16-byte
+    accesses, up to 2048 columns per program (H200, bf16, C = 4096: 2048 measured 1-2% above 1024 for finish
+    and head), a warp per 256 columns. ``block_c`` None: chosen from C by ``resolve``."""
+    block_c: Optional[int] = None
+
+    def resolve(self, C: int):
+        """(BLOCK_C, num_warps) for rows of C columns."""
+        block_c = self.block_c if self.block_c is not None else min(2048, next_power_of_2(C))
+        return block_c, max(1, min(8, block_c // 256))
+
+    @staticmethod
+    def candidates():
+        for block_c in (512, 1024, 4096):
+            yield StreamConfig(block_c=block_c)
 
 
 def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tensor, *,
-           block_c: Optional[int] = None) -> None:
+           config: Optional[StreamConfig] = None) -> None:
     """Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c]), FP32 inside."""
     T, n, C = X.shape
     if T == 0:
         return
     assert X.stride(2) == 1 and B.stride(1) == 1 and Y.stride(2) == 1 and stats.is_contiguous()
-    block_c, warps = _stream_block(C, block_c)
+    block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     _finish_kernel[(T * c_blocks,)](
         X, B, stats, Y, C, X.stride(0), X.stride(1), B.stride(0), Y.stride(0), Y.stride(1), c_blocks,
@@ -105,23 +116,23 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     )
 
 
-def head_forward(X: torch.Tensor, Y: torch.Tensor, *, block_c: Optional[int] = None) -> None:
+def head_forward(X: torch.Tensor, Y: torch.Tensor, *, config: Optional[StreamConfig] = None) -> None:
     """Y[t, c] = round((((X0 + X1) + X2) + X3) / n), summed in FP32 from zero: bitwise X.mean(dim=1) on a GPU."""
-    _collapse(X, None, Y, block_c)
+    _collapse(X, None, Y, config)
 
 
-def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, *, block_c: Optional[int] = None) -> None:
+def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, *, config: Optional[StreamConfig] = None) -> None:
     """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre from the stats record."""
     assert stats.is_contiguous()
-    _collapse(X, stats, U, block_c)
+    _collapse(X, stats, U, config)
 
 
-def _collapse(X, stats, Y, block_c):
+def _collapse(X, stats, Y, config):
     T, n, C = X.shape
     if T == 0:
         return
     assert X.stride(2) == 1 and Y.stride(1) == 1
-    block_c, warps = _stream_block(C, block_c)
+    block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     _collapse_kernel[(T * c_blocks,)](
         X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0), c_blocks,
@@ -129,13 +140,14 @@ def _collapse(X, stats, Y, block_c):
     )
 
 
-def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *, block_c: Optional[int] = None) -> None:
+def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *,
+                  config: Optional[StreamConfig] = None) -> None:
     """dX[t, i, c] = round(dY[t, c] / n); with accumulate, dX = round(dX + dY / n) in FP32."""
     T, n, C = dX.shape
     if T == 0:
         return
     assert dY.shape == (T, C) and dY.stride(1) == 1 and dX.stride(2) == 1
-    block_c, warps = _stream_block(C, block_c)
+    block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     _head_backward_kernel[(T * c_blocks,)](
         dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1), c_blocks,

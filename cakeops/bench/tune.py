@@ -7,7 +7,6 @@ defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096 unless --T /
 """
 import argparse
 import dataclasses
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -32,55 +31,21 @@ def _inputs(device, T: int, C: int):
     return X, fn, scale, base, dY, B, dU
 
 
-def _prepare_variants():
-    yield {}, "default"
-    # fn split into bf16 hi / lo per tile inside the projection (the default splits it once per call)
-    yield dict(presplit=False), None
-    # the projection: 128 programs of 128 tokens leave SMs idle; shorter blocks / column slices / deeper pipelines
-    for block_t, warps, stages, block_c, slices in ((128, 8, 3, 64, 1), (128, 8, 3, 64, 2), (64, 4, 3, 64, 1),
-                                                    (64, 4, 2, 64, 2), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1)):
-        yield dict(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices), None
-    for gates_block_t, gates_warps in ((4, 1), (8, 2)):
-        yield dict(gates_block_t=gates_block_t, gates_warps=gates_warps), None
+def _variants(config_class):
+    """The default (None: the launcher's own choice), then the config class's candidates."""
+    yield None, "default"
+    for cfg in config_class.candidates():
+        yield cfg, None
 
 
-def _backward_prepare_variants():
-    yield {}, "default"
-    for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
-        if block_c >= 256 * warps:
-            yield dict(block_c=block_c, num_warps=warps), None
-
-
-def _backward_finish_variants():
+def _config_classes():
     from .._triton.mhc_backward_finish import FinishConfig
-    yield {}, "default"
-    # kernel B: programs per SM; taller token blocks and wider columns (all slower on the H200, 2026-11-29:
-    # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
-    for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
-        yield dict(config=FinishConfig(block_t=block_t, block_c=block_c, warps=warps, per_sm=per_sm)), None
-    # kernel B with its registers capped so that more programs are resident
-    for maxnreg, per_sm in ((128, 4), (128, 3), (96, 5), (80, 6)):
-        yield dict(config=FinishConfig(maxnreg=maxnreg, per_sm=per_sm)), None
-    # kernel B with 3 pipeline stages: 96 registers in triton 3.6's sm_90 build (2 stages: 128), so 5 programs / SM
-    for per_sm in (4, 5):
-        yield dict(config=FinishConfig(stages=3, per_sm=per_sm)), None
-    # kernel B with X as one [n, BLOCK_T, BLOCK_C] tile (the default until 2026-12-01)
-    yield dict(config=FinishConfig(x_per_stream=False)), None
-    # kernel B with X loaded as four per-stream tiles (all of a tile's loads issued together with triton 3.6)
-    # (triton 3.6 sm_90 builds: 127 registers; 96 with 3 stages; 72 at 32 columns)
-    for block_c, warps, per_sm, stages in ((64, 4, 4, 2), (64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3),
-                                           (32, 4, 6, 2), (32, 4, 8, 2), (128, 8, 2, 2)):
-        yield dict(config=FinishConfig(x_per_stream=True, block_c=block_c, warps=warps, per_sm=per_sm,
-                                       stages=stages)), None
-    # kernel A: programs per SM; kernel C (dfn): column width
-    yield dict(config=FinishConfig(dlogits_per_sm=8)), None
-    yield dict(config=FinishConfig(dfn_block_c=512, dfn_per_sm=1)), None
+    from .._triton.mhc_backward_prepare import BackwardPrepareConfig
+    from .._triton.mhc_prepare import PrepareConfig
+    from .._triton.mhc_streams import StreamConfig
 
-
-def _head_backward_variants():
-    yield {}, "default"
-    for block_c in (512, 1024, 4096):
-        yield dict(block_c=block_c), None
+    return {"prepare": PrepareConfig, "backward_prepare": BackwardPrepareConfig, "backward_finish": FinishConfig,
+            "head_backward": StreamConfig}
 
 
 def kernel_regs(call) -> str:
@@ -114,20 +79,19 @@ def kernel_us(call, reps: int = 5) -> str:
     return " | ".join(f"{name[:28]} {us:.0f}" for name, us in kernel_times_us(call, reps).items() if us > 0.5)
 
 
-def _label(kw):
-    if "config" in kw:
-        cfg = kw["config"]
-        return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                        if getattr(cfg, f.name) != f.default) or "(the default config)"
-    return " ".join(f"{k}={v}" for k, v in kw.items())
+def _label(cfg):
+    if cfg is None:
+        return "(the default config)"
+    return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                    if getattr(cfg, f.name) != f.default) or "(the default config)"
 
 
 def selected(variants, match: str = ""):
     """The default and the variants whose label contains ``match`` (all when empty): a short lease on a GPU
     measures the candidates it came for."""
-    for kw, name in variants:
-        if not match or name == "default" or match in _label(kw):
-            yield kw, name
+    for cfg, name in variants:
+        if not match or name == "default" or match in _label(cfg):
+            yield cfg, name
 
 
 def sweep(op, device, inputs, match: str = ""):
@@ -141,50 +105,54 @@ def sweep(op, device, inputs, match: str = ""):
     gs = torch.empty(T, 32, device=device)
     dB = torch.empty_like(B)
     mhc_backward.backward_prepare(dY, B, X, stats, dB, gs)
+    variants = _variants(_config_classes()[op])
     if op == "prepare":
-        variants, nbytes = _prepare_variants(), X.nbytes + fn.nbytes + U.nbytes + stats.nbytes
+        nbytes = X.nbytes + fn.nbytes + U.nbytes + stats.nbytes
 
-        def run(kw):
+        def run(cfg):
             u, st = torch.empty_like(U), torch.empty_like(stats)
-            mhc_prepare.prepare(X, fn, scale, base, *HP, st, u, **kw)
-            return lambda: mhc_prepare.prepare(X, fn, scale, base, *HP, st, u, **kw), (u, st)
+            call = lambda: mhc_prepare.prepare(X, fn, scale, base, *HP, st, u, config=cfg)  # noqa: E731
+            call()
+            return call, (u, st)
     elif op == "backward_prepare":
-        variants, nbytes = _backward_prepare_variants(), dY.nbytes + 2 * B.nbytes + X.nbytes + stats.nbytes + gs.nbytes
+        nbytes = dY.nbytes + 2 * B.nbytes + X.nbytes + stats.nbytes + gs.nbytes
 
-        def run(kw):
+        def run(cfg):
             db, g = torch.empty_like(dB), torch.empty_like(gs)
-            mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw)
-            return lambda: mhc_backward.backward_prepare(dY, B, X, stats, db, g, **kw), (db, g)
+            call = lambda: mhc_backward.backward_prepare(dY, B, X, stats, db, g, config=cfg)  # noqa: E731
+            call()
+            return call, (db, g)
     elif op == "head_backward":
         from .._triton import mhc_streams
-        variants, nbytes = _head_backward_variants(), dU.nbytes + X.nbytes
+        nbytes = dU.nbytes + X.nbytes
 
-        def run(kw):
+        def run(cfg):
             dx = torch.empty_like(X)
-            mhc_streams.head_backward(dU, dx, False, **kw)
-            return lambda: mhc_streams.head_backward(dU, dx, False, **kw), (dx,)
+            call = lambda: mhc_streams.head_backward(dU, dx, False, config=cfg)  # noqa: E731
+            call()
+            return call, (dx,)
     else:
-        variants = _backward_finish_variants()
         nbytes = 3 * X.nbytes + dU.nbytes + 2 * fn.nbytes + stats.nbytes + gs.nbytes
 
-        def run(kw):
+        def run(cfg):
             outs = (torch.empty_like(X), torch.empty_like(fn), torch.empty(3, device=device),
                     torch.empty(24, device=device))
-            call = lambda: mhc_backward.backward_finish(X, dY, dU, fn, scale, base, stats, gs, *HP, *outs, **kw)  # noqa: E731
+            call = lambda: mhc_backward.backward_finish(X, dY, dU, fn, scale, base, stats, gs, *HP, *outs,  # noqa: E731
+                                                        config=cfg)
             call()
             return call, outs
     rows, reference = [], None
-    for kw, name in selected(variants, match):
+    for cfg, name in selected(variants, match):
         try:
-            call, outs = run(kw)
+            call, outs = run(cfg)
             if reference is None:
                 reference = [t.clone() for t in outs]
             err = max(rel_err(o, r) for o, r in zip(outs, reference))
             ms = median_ms(call)
-            rows.append({"op": op, "variant": name or _label(kw), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err,
+            rows.append({"op": op, "variant": name or _label(cfg), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err,
                          "kernels_us": kernel_us(call), "registers": kernel_regs(call)})
         except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported, not fatal
-            rows.append({"op": op, "variant": name or _label(kw), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            rows.append({"op": op, "variant": name or _label(cfg), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
         r = rows[-1]
         print(f"{op:17s} {r['variant']:70s} " + (f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}"
                                                  f"\n{'':19s}us: {r['kernels_us']}\n{'':19s}regs: {r['registers']}" if "ms" in r else r["error"]),
