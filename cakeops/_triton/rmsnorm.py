@@ -4,6 +4,7 @@ Rows are tiled [ROWS, BLOCK]: a row of up to BLOCK elements is read from HBM onc
 wider rows (NUM_CHUNKS > 1) are walked twice, the second pass served mostly by L2.
 All statistics and accumulations are FP32; each output is rounded once.
 """
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -166,17 +167,44 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
     return g, x, w, m
 
 
+@dataclass(frozen=True)
+class RMSNormConfig:
+    """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
+    each tensor. Measured on an H200 (bf16, H = 4096 and 8192): forward 16K elements and 128 B per thread
+    without the residual, 8K and 32 B with it (three streams in flight instead of two); backward 4K and 32 B
+    (16 elements per thread) with 16 warps per SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
+    tile_elems: Optional[int] = None
+    thread_bytes: Optional[int] = None
+    warps_per_sm: int = 16  # backward: resident warps per SM of the persistent grid
+
+    def forward_tile(self, H: int, elem_bytes: int, has_residual: bool):
+        """(ROWS, BLOCK, NUM_CHUNKS, num_warps) of the forward."""
+        tile = self.tile_elems or (8192 if has_residual else 16384)
+        thread = self.thread_bytes or (32 if has_residual else 128)
+        return tile_config(H, elem_bytes, tile_elems=tile, thread_bytes=thread)
+
+    def backward_shape(self, device: torch.device, T: int, H: int, elem_bytes: int):
+        """(ROWS, BLOCK, NUM_CHUNKS, num_warps, programs) of the persistent backward."""
+        rows, block, chunks, warps = tile_config(H, elem_bytes, tile_elems=self.tile_elems or 4096,
+                                                 thread_bytes=self.thread_bytes or 32)
+        programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, self.warps_per_sm // warps))
+        return rows, block, chunks, warps, programs
+
+    @staticmethod
+    def candidates():
+        for tile, thread in ((4096, 32), (8192, 32), (8192, 64), (16384, 64), (16384, 128)):
+            yield RMSNormConfig(tile_elems=tile, thread_bytes=thread)
+
+
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
-            residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None) -> None:
+            residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None, *,
+            config: Optional[RMSNormConfig] = None) -> None:
     """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out."""
     T, H = x.shape
     if T == 0:
         return
     has_res = residual is not None
-    # Measured on H200 (bf16, H = 4096 and 8192): 16K elements and 128 B per thread without the residual,
-    # 8K elements and 32 B per thread with it (three streams in flight instead of two).
-    rows, block, chunks, warps = tile_config(H, x.element_size(), tile_elems=8192 if has_res else 16384,
-                                             thread_bytes=32 if has_res else 128)
+    rows, block, chunks, warps = (config or RMSNormConfig()).forward_tile(H, x.element_size(), has_res)
     r = residual if has_res else x
     h = h_out if has_res else y
     _rmsnorm_fwd_kernel[(cdiv(T, rows),)](
@@ -185,12 +213,8 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     )
 
 
-def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int):
-    """(rows, block, chunks, warps, programs) of the persistent backward. Measured on H200 (bf16, H = 4096
-    and 8192): 16 elements per thread and 16 warps per SM -- 2 programs of 8 warps or 1 of 16."""
-    rows, block, chunks, warps = tile_config(H, elem_bytes)
-    programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, 16 // warps))
-    return rows, block, chunks, warps, programs
+def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int, config: Optional[RMSNormConfig] = None):
+    return (config or RMSNormConfig()).backward_shape(device, T, H, elem_bytes)
 
 
 def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) -> int:
@@ -200,14 +224,15 @@ def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) ->
 
 def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
              dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
-             workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False) -> None:
+             workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False, *,
+             config: Optional[RMSNormConfig] = None) -> None:
     """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it)."""
     T, H = x.shape
     if T == 0:
         if not accumulate_dw:
             dw.zero_()
         return
-    rows, block, chunks, warps, programs = _backward_shape(x.device, T, H, x.element_size())
+    rows, block, chunks, warps, programs = _backward_shape(x.device, T, H, x.element_size(), config)
     atomic = not deterministic and chunks == 1
     if atomic:
         if not accumulate_dw:
