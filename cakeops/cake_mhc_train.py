@@ -24,6 +24,7 @@ from torch import Tensor
 from . import _mhc_args as args
 from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
+from ._ops.sharding import any_dtensor
 from ._ops.strides import unit_last
 from .meta import mhc as fake
 from .meta import mhc_layout as layout
@@ -265,7 +266,7 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
         U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X, fn, scale, base, *hp, deterministic)
         return U, MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
@@ -285,7 +286,8 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
     args.streams("X", X)
     _check_branch_output("B", B, X)
     handle.used = True
-    if torch.compiler.is_compiling():
+    if handle.state is None:  # the prepare took the custom-op path (torch.compile, DTensors)
+        any_dtensor(B=B)
         return torch.ops.cakeops.mhc_finish(X, B, handle.stats, *handle.edges)
     # X enters detached: the finish node has no edge to X at all (its X gradient travels as dY through the
     # edges), so no engine -- compiled autograd included -- ever sums a None into X's gradient.
@@ -295,7 +297,7 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
 def cake_mhc_train_head(X: Tensor) -> Tensor:
     """The model's final collapse of the streams, with autograd."""
     args.streams("X", X)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or any_dtensor(X=X):
         return torch.ops.cakeops.mhc_head_fwd(X)
     return CakeMHCTrainHeadFunction.apply(X)
 

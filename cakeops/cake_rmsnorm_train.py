@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import _checks
 from ._ops import rmsnorm as ops
+from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
 
 __all__ = [
@@ -133,7 +134,7 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
                  deterministic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """RMSNorm with autograd: ``y`` or ``(y, h_new)``. Under torch.compile it becomes the cakeops custom ops
     (whose registered backward is ``cakeops::rmsnorm_bwd``); in eager mode, CakeRMSNormFunction."""
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or any_dtensor(x=x, w=w, residual=residual)):
         _check_flags(deterministic)
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
     _check_x_w(x, w)

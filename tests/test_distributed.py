@@ -137,3 +137,68 @@ def test_two_processes_train_like_one(scenario):
     backend = _backend()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(scenario, os.path.join(tmp, "init"), backend), nprocs=WORLD, join=True)
+
+
+# ---- sequence parallel: the residual stream as a DTensor sharded on tokens ----
+
+class _TokenLocalModel(torch.nn.Module):
+    """Streams -> two mHC layers with RMSNorm + MLP branches -> head -> RMSNorm: every op token by token."""
+
+    def __init__(self, dim):
+        super().__init__()
+        from cakeops.nn import MHC, MHCHead, RMSNorm, StreamExpand
+        from cakeops.tiny_lm import MLP, PreNorm
+
+        self.expand, self.head, self.norm = StreamExpand(), MHCHead(), RMSNorm(dim)
+        self.blocks = torch.nn.ModuleList(MHC(PreNorm(dim, MLP(dim)), dim, hc_eps=0.05) for _ in range(2))
+
+    def forward(self, h):
+        X = self.expand(h)
+        for block in self.blocks:
+            X = block(X)
+        return self.norm(self.head(X))
+
+
+def _dtensor_worker(rank, init_file, backend):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh(device_type, (WORLD,))
+        torch.manual_seed(0)
+        reference = _TokenLocalModel(DIM).to(device_type)
+        sharded = distribute_module(copy.deepcopy(reference), mesh)  # parameters replicated
+        g = torch.Generator().manual_seed(2)
+        h = torch.randn(10, DIM, generator=g).to(device_type)
+        gy = torch.randn(10, DIM, generator=g).to(device_type)
+
+        h_ref = h.clone().requires_grad_()
+        reference(h_ref).backward(gy)
+        h_d = distribute_tensor(h, mesh, [Shard(0)]).requires_grad_()
+        y_d = sharded(h_d)
+        assert y_d.placements == (Shard(0),), y_d.placements  # the output stays token-sharded
+        y_d.backward(distribute_tensor(gy, mesh, [Shard(0)]))
+        tol = TOL["fp32"]
+        torch.testing.assert_close(y_d.full_tensor(), reference(h), **tol)
+        torch.testing.assert_close(h_d.grad.full_tensor(), h_ref.grad, **tol)
+        for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, **tol, msg=lambda m: f"grad {name}: {m}")
+
+        # the hidden dim sharded: refused in the user's terms, with what to do
+        x_hidden = distribute_tensor(torch.randn(10, 4, DIM).to(device_type), mesh, [Shard(2)])
+        with pytest.raises(ValueError, match=r"redistribute"):
+            sharded.blocks[0](x_hidden)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+def test_sequence_parallel_dtensor_matches_one_device():
+    backend = _backend()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dtensor_worker, args=(os.path.join(tmp, "init"), backend), nprocs=WORLD, join=True)
