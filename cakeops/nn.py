@@ -4,31 +4,58 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import _checks
 from .cake_rmsnorm_train import cake_rmsnorm
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for ``torch.nn.RMSNorm(hidden_size, eps)`` with an affine weight, on the fused cakeops kernels.
+    """Drop-in for ``torch.nn.RMSNorm`` on the fused cakeops kernels: the same arguments, defaults, parameter
+    and state dict (``load_state_dict`` works both ways).
 
-    ``forward(x)`` returns ``y``; ``forward(x, residual)`` adds first and returns ``(y, h_new)`` with
-    ``h_new = x + residual`` -- the pre-norm transformer's residual stream, in one pass over memory.
+    ``normalized_shape``: the hidden size, an int or a 1-tuple (the last dim; cakeops normalizes one dim).
+    ``eps``: None takes torch's default, ``torch.finfo(x.dtype).eps`` of each input. ``elementwise_affine=False``:
+    no weight (the kernels then scale by ones). ``forward(x)`` returns ``y``; ``forward(x, residual)`` adds first
+    and returns ``(y, h_new)`` with ``h_new = x + residual`` -- the pre-norm transformer's residual stream, in one
+    pass over memory. ``deterministic``: the weight gradient's reduction (fixed order, or atomics when False).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, deterministic: bool = True,
-                 device=None, dtype=None):
+    def __init__(self, normalized_shape, eps: Optional[float] = None, elementwise_affine: bool = True, *,
+                 deterministic: bool = True, device=None, dtype=None):
         super().__init__()
-        if not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
-        self.hidden_size = hidden_size
+        if not isinstance(normalized_shape, (int, tuple, list, torch.Size)):
+            raise ValueError(f"normalized_shape: expected the hidden size, an int >= 1, got {normalized_shape!r}")
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != 1:
+            raise NotImplementedError(f"normalized_shape: cakeops normalizes the last dim only, got {normalized_shape!r};"
+                                      f" reshape the input so the normalized dims are one, or use torch.nn.RMSNorm")
+        if isinstance(shape[0], bool) or not isinstance(shape[0], int) or shape[0] < 1:
+            raise ValueError(f"normalized_shape: expected the hidden size, an int >= 1, got {normalized_shape!r}")
+        if eps is not None:
+            eps = _checks.positive_float("eps", eps)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+        self.normalized_shape = shape
         self.eps = eps
+        self.elementwise_affine = elementwise_affine
         self.deterministic = deterministic
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+            self.register_buffer("_ones", torch.ones(shape, device=device, dtype=dtype), persistent=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.normalized_shape[0]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return cake_rmsnorm(x, self.weight, self.eps, residual, self.deterministic)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        w = self.weight if self.weight is not None else self._ones
+        return cake_rmsnorm(x, w, eps, residual, self.deterministic)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, deterministic={self.deterministic}"
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+                f"deterministic={self.deterministic}")
 
 
 class MHC(nn.Module):

@@ -46,7 +46,7 @@ class PreNorm(nn.Module):
 
     def __init__(self, dim: int, branch: nn.Module):
         super().__init__()
-        self.norm = RMSNorm(dim)
+        self.norm = RMSNorm(dim, eps=1e-6)
         self.branch = branch
 
     def forward(self, x):
@@ -77,7 +77,7 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.expand = StreamExpand() if hyper_connections else nn.Identity()
         self.head = MHCHead() if hyper_connections else nn.Identity()
-        self.norm = RMSNorm(dim)
+        self.norm = RMSNorm(dim, eps=1e-6)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

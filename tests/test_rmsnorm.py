@@ -330,3 +330,42 @@ def test_custom_ops_take_any_layout(backend):
         # Bitwise under the interpreter; on a GPU a stride-0 row changes the load vectorization and so the
         # order of the row sums: the same values up to FP32 rounding.
         assert all(rel_err(a, b) <= (0 if not ON_GPU else 1e-6) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-weight"])
+@pytest.mark.parametrize("shape_arg", [48, (48,)], ids=["int", "tuple"])
+def test_nn_rmsnorm_matches_torch_with_torch_defaults(backend, affine, shape_arg):
+    """Same constructor arguments and defaults as torch.nn.RMSNorm (eps=None: finfo(x.dtype).eps), same output,
+    gradients and state dict, loaded both ways."""
+    torch.manual_seed(8)
+    theirs = torch.nn.RMSNorm(shape_arg, elementwise_affine=affine, device=DEVICE)
+    ours = cakeops.nn.RMSNorm(shape_arg, elementwise_affine=affine, device=DEVICE)
+    if affine:
+        with torch.no_grad():
+            theirs.weight.copy_(torch.randn(48))
+        ours.load_state_dict(theirs.state_dict())
+        theirs.load_state_dict(ours.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = (torch.randn(3, 5, 48, device=DEVICE) * 1e-3).requires_grad_()  # small: eps matters
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(3, 5, 48, device=DEVICE)
+    y, y2 = ours(x), theirs(x2)
+    assert rel_err(y, y2) <= 1e-5
+    y.backward(g)
+    y2.backward(g)
+    assert rel_err(x.grad, x2.grad) <= 1e-4
+    if affine:
+        assert rel_err(ours.weight.grad, theirs.weight.grad) <= 1e-4
+    else:
+        assert ours.weight is None and list(ours.parameters()) == []
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    (((48, 2),), NotImplementedError, "normalized_shape"),
+    ((0,), ValueError, "normalized_shape"),
+    (("48",), ValueError, "normalized_shape"),
+    ((48, -1e-6), ValueError, "eps"),
+])
+def test_nn_rmsnorm_checks_its_arguments_at_construction(args, exc, match):
+    with pytest.raises(exc, match=match):
+        cakeops.nn.RMSNorm(*args)
