@@ -19,11 +19,12 @@ def streams(name: str, X) -> Tensor:
     return X
 
 
-def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X") -> Tensor:
-    """A tensor that must sit beside X: its device, the given shape, and X's dtype unless dtypes is given."""
+def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X", per_token: bool = True) -> Tensor:
+    """A tensor that must sit beside X: its device, the given shape, and X's dtype unless dtypes is given.
+    ``per_token``: its first dim is X's tokens (a parameter's is not), so a mismatch there is said in tokens."""
     _checks.tensor(name, t, dtypes=dtypes if dtypes is not None else (X.dtype,))
     if tuple(t.shape) != tuple(shape):
-        if t.dim() >= 1 and t.shape[0] != shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]):
+        if per_token and t.dim() >= 1 and t.shape[0] != shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]):
             raise ValueError(f"{name}: expected {shape[0]} tokens (as {x_name}), got {t.shape[0]}")
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
     _checks.same_device(name, t, x_name, X)
@@ -34,9 +35,9 @@ def mapping(X: Tensor, fn, scale, base) -> None:
     """fn, scale, base in any float dtype: FP32 as initialised, bf16/fp16 after ``model.to(dtype)`` or under an
     FSDP2 mixed-precision policy. The math is FP32 either way; gradients come back in each parameter's dtype."""
     T, n, C = X.shape
-    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES)
-    like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES)
-    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES)
+    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES, per_token=False)
+    like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES, per_token=False)
+    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES, per_token=False)
 
 
 def hparams(rms_eps, hc_eps, sinkhorn_iters) -> tuple:

@@ -115,3 +115,24 @@ def test_nan_in_one_token_stays_in_that_token(backend):
     assert torch.isnan(stats[2, :25]).any() and torch.isfinite(stats[[0, 1, 3, 4]]).all()
     Y = cake_mhc_train_forward_finish(X, torch.ones(T, C, device=DEVICE), stats)
     assert torch.isnan(Y[2]).all() and torch.isfinite(Y[[0, 1, 3, 4]]).all()
+
+
+def test_module_errors_speak_the_users_terms():
+    """What a user of nn.MHC / the functions sees for the usual mistakes: their own shapes and names."""
+    import cakeops
+
+    X, fn, scale, base = _good()
+    with pytest.raises(ValueError, match=r"scale: expected shape \(3,\), got \(4,\)"):
+        _prepare(scale=torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"base: expected shape \(24,\), got \(20,\)"):
+        _prepare(base=torch.zeros(20, device=DEVICE))
+    block = cakeops.nn.MHC(torch.nn.Linear(C, C // 2), hidden_size=C, device=DEVICE)
+    with pytest.raises(ValueError, match=r"the branch must map \[\.\.\., 8\] to \[\.\.\., 8\]: given \(2, 3, 8\), "
+                                         r"it returned \(2, 3, 4\)"):
+        block(torch.randn(2, 3, N, C, device=DEVICE))
+    with pytest.raises(ValueError, match=r"MHC: expected the residual streams \[\.\.\., 4, 8\].*got \(6, 8\).*"
+                                         r"StreamExpand"):
+        block(torch.randn(6, C, device=DEVICE))
+    wide = cakeops.nn.MHC(torch.nn.Identity(), hidden_size=16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4, 16\] \(n_streams, hidden_size\), got \(5, 4, 8\)"):
+        wide(torch.randn(T, N, C, device=DEVICE))
