@@ -9,12 +9,13 @@ N = layout.N_STREAMS
 M = layout.N_LOGITS
 
 
-def streams(name: str, X) -> Tensor:
-    """X-like [T, n, C] tensor: n = 4 streams, C >= 1, float dtype."""
-    _checks.tensor(name, X, dtypes=_checks.FLOAT_DTYPES, ndim=3)
-    if X.shape[1] != N:
-        raise ValueError(f"{name}: expected n = {N} streams (shape [T, {N}, C]), got shape {tuple(X.shape)}")
-    if X.shape[2] < 1:
+def streams(name: str, X, leading_dims: bool = False) -> Tensor:
+    """X-like [T, n, C] tensor ([..., n, C] with ``leading_dims``): n = 4 streams, C >= 1, float dtype."""
+    _checks.tensor(name, X, dtypes=_checks.FLOAT_DTYPES, **({"min_ndim": 3} if leading_dims else {"ndim": 3}))
+    if X.shape[-2] != N:
+        raise ValueError(f"{name}: expected n = {N} streams (shape [{'...' if leading_dims else 'T'}, {N}, C]), "
+                         f"got shape {tuple(X.shape)}")
+    if X.shape[-1] < 1:
         raise ValueError(f"{name}: expected a hidden size C >= 1, got shape {tuple(X.shape)}")
     return X
 

@@ -114,7 +114,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
 
 
 def _check_branch_output(name: str, B, X: Tensor) -> None:
-    args.like(name, B, X, (X.shape[0], X.shape[2]), dtypes=FLOAT_DTYPES)
+    args.like(name, B, X, tuple(X.shape[:-2]) + (X.shape[-1],), dtypes=FLOAT_DTYPES)
 
 
 def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optional[Tensor], fn: Tensor, scale: Tensor,
@@ -204,9 +204,8 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, B, state: _LayerState, *edges):
-        X, B = unit_last(X), unit_last(B)
         stats = state.stats
-        Y = ops.finish_impl(X, B, stats)
+        Y = ops.finish_impl(X, B, stats)  # in X's shape, leading dims and all: Y itself, never a view
         ctx.state = state
         if state.save_stats:
             ctx.save_for_backward(X, B, stats)
@@ -225,7 +224,7 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
         if kept:
             stats = kept[0]
         else:  # save_stats=False: recompute once, and hand it on to the prepare node's backward
-            stats = state.stats = state.recompute_stats(X)
+            stats = state.stats = state.recompute_stats(ops.flat(X, 3))
         return ops.finish_backward(ops.backward_prepare_impl, X, B, stats, dY)
 
 
@@ -234,7 +233,7 @@ class CakeMHCTrainHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X):
-        ctx.n = X.shape[1]
+        ctx.n = X.shape[-2]
         ctx.set_materialize_grads(False)
         return ops.head_forward_impl(X)
 
@@ -251,7 +250,7 @@ class MHCTrainHandle:
     """Returned by ``cake_mhc_train_prepare``; serves exactly one ``cake_mhc_train_finish`` of the same X."""
 
     def __init__(self, X: Tensor, edges, state: Optional[_LayerState] = None, stats: Optional[Tensor] = None):
-        self.X = X
+        self.X = X  # as the user gave it, leading dims and all
         self.edges = edges
         self.state = state
         self.stats = stats
@@ -262,20 +261,26 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
                            hc_eps: float = 1e-6, sinkhorn_iters: int = 20, save_stats: bool = True,
                            deterministic: bool = True) -> Tuple[Tensor, MHCTrainHandle]:
     """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs.
+    X is [..., n, C] (any leading dims, e.g. [batch, seq, n, C]); U is [..., C].
     ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits)."""
-    hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    args.streams("X", X, leading_dims=True)
+    X3 = ops.flat(X, 3)
+    hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
     if torch.compiler.is_compiling() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
-        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X, fn, scale, base, *hp, deterministic)
-        return U, MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
-    state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
-    U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X, fn, scale, base, state)
-    return U, MHCTrainHandle(X, (e_dy, e_gs), state=state)
+        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
+        handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
+    else:
+        state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
+        U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X3, fn, scale, base, state)
+        handle = MHCTrainHandle(X, (e_dy, e_gs), state=state)
+    return (U if X.dim() == 3 else U.view(*X.shape[:-2], X.shape[-1])), handle
 
 
 def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tensor:
-    """``Y = post * B + comb^T X`` with autograd; ``handle`` from the prepare of this same X, used once."""
+    """``Y = post * B + comb^T X`` with autograd; ``handle`` from the prepare of this same X, used once.
+    X [..., n, C] and B [..., C] with the same leading dims; Y has X's shape (and is no view)."""
     if not isinstance(handle, MHCTrainHandle):
         raise TypeError(f"handle: expected the MHCTrainHandle returned by cake_mhc_train_prepare, "
                         f"got {type(handle).__name__}")
@@ -283,7 +288,7 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
         raise RuntimeError("handle: this handle was already used by a finish; each prepare serves one finish")
     if X is not handle.X:
         raise ValueError("handle: it belongs to the prepare of another X; pass the X given to that prepare")
-    args.streams("X", X)
+    args.streams("X", X, leading_dims=True)
     _check_branch_output("B", B, X)
     handle.used = True
     if handle.state is None:  # the prepare took the custom-op path (torch.compile, DTensors)
@@ -295,8 +300,8 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
 
 
 def cake_mhc_train_head(X: Tensor) -> Tensor:
-    """The model's final collapse of the streams, with autograd."""
-    args.streams("X", X)
+    """The model's final collapse of the streams, with autograd: [..., n, C] -> [..., C]."""
+    args.streams("X", X, leading_dims=True)
     if torch.compiler.is_compiling() or any_dtensor(X=X):
         return torch.ops.cakeops.mhc_head_fwd(X)
     return CakeMHCTrainHeadFunction.apply(X)

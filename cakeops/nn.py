@@ -118,17 +118,15 @@ class MHC(nn.Module):
             raise ValueError(f"MHC: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), got {got}"
                              + ("; widen the stream first with cakeops.nn.StreamExpand" if isinstance(X, torch.Tensor)
                                 and X.dim() >= 1 and X.shape[-1] == C and (X.dim() < 2 or X.shape[-2] != n) else ""))
-        lead = X.shape[:-2]
-        X2 = X if X.dim() == 3 else X.reshape(-1, n, C)
-        U, handle = cake_mhc_train_prepare(X2, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
+        U, handle = cake_mhc_train_prepare(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
                                            hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
                                            save_stats=self.save_stats, deterministic=self.deterministic)
-        B = self.branch(U if X.dim() == 3 else U.reshape(*lead, C))
-        if not isinstance(B, torch.Tensor) or tuple(B.shape) != (*lead, C):
+        B = self.branch(U)
+        if not isinstance(B, torch.Tensor) or B.shape != U.shape:
             got = tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__
-            raise ValueError(f"MHC: the branch must map [..., {C}] to [..., {C}]: given {(*lead, C)}, it returned {got}")
-        Y = cake_mhc_train_finish(X2, B if X.dim() == 3 else B.reshape(-1, C), handle)
-        return Y if X.dim() == 3 else Y.reshape(X.shape)
+            raise ValueError(f"MHC: the branch must map [..., {C}] to [..., {C}]: given {tuple(U.shape)}, "
+                             f"it returned {got}")
+        return cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
@@ -152,7 +150,4 @@ class MHCHead(nn.Module):
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         from .cake_mhc_train import cake_mhc_train_head
 
-        if X.dim() == 3:  # the op's own output, not a view of it (FSDP2 hooks a module's outputs)
-            return cake_mhc_train_head(X)
-        n, C = X.shape[-2:]
-        return cake_mhc_train_head(X.reshape(-1, n, C)).reshape(*X.shape[:-2], C)
+        return cake_mhc_train_head(X)  # [..., C], the op's own output, not a view (FSDP2 hooks module outputs)

@@ -62,9 +62,13 @@ def rmsnorm_bwd(op: str, g, x, w, rstd, g_residual) -> None:
 
 # ---- mHC ----
 
-def streams(op: str, name: str, X) -> None:
-    tensor(op, name, X, ndim=3, dtypes=FLOAT_DTYPES)
-    if X.shape[1] != layout.N_STREAMS:
+def streams(op: str, name: str, X, leading_dims: bool = False) -> None:
+    """[T, n, C], or [..., n, C] where the op takes leading dims (finish, head)."""
+    tensor(op, name, X, dtypes=FLOAT_DTYPES)
+    if X.dim() != 3 and not (leading_dims and X.dim() > 3):
+        raise ValueError(f"{op}: {name}: expected a {'[..., n, C]' if leading_dims else '3-D [T, n, C]'} tensor, "
+                         f"got shape {tuple(X.shape)}")
+    if X.shape[-2] != layout.N_STREAMS:
         raise ValueError(f"{op}: {name}: expected {layout.N_STREAMS} streams ([T, {layout.N_STREAMS}, C]), "
                          f"got shape {tuple(X.shape)}")
 
@@ -85,12 +89,15 @@ def hparams(op: str, rms_eps, hc_eps, sinkhorn_iters) -> None:
 
 
 def branch(op: str, name: str, B, X, same_dtype: bool = False) -> None:
-    T, n, C = X.shape
-    tensor(op, name, B, shape=(T, C), dtypes=(X.dtype,) if same_dtype else FLOAT_DTYPES, device=X.device)
+    """B [..., C] with X's leading dims."""
+    tensor(op, name, B, shape=tuple(X.shape[:-2]) + (X.shape[-1],), dtypes=(X.dtype,) if same_dtype else FLOAT_DTYPES,
+           device=X.device)
 
 
 def record(op: str, name: str, t, X, width: int) -> None:
-    tensor(op, name, t, shape=(X.shape[0], width), dtypes=(torch.float32,), device=X.device)
+    """A per-token FP32 record: one row per token of X (its leading dims flattened)."""
+    tokens = X.shape[0] if X.dim() == 3 else X.numel() // (X.shape[-2] * X.shape[-1]) if X.shape[-1] else 0
+    tensor(op, name, t, shape=(tokens, width), dtypes=(torch.float32,), device=X.device)
 
 
 def mhc_prepare(op: str, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) -> None:
@@ -99,8 +106,8 @@ def mhc_prepare(op: str, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) ->
     hparams(op, rms_eps, hc_eps, sinkhorn_iters)
 
 
-def mhc_finish(op: str, X, B, stats) -> None:
-    streams(op, "X", X)
+def mhc_finish(op: str, X, B, stats, leading_dims: bool = True) -> None:
+    streams(op, "X", X, leading_dims)
     branch(op, "B", B, X)
     record(op, "stats", stats, X, layout.STATS_WIDTH)
 
@@ -112,7 +119,7 @@ def mhc_head_bwd(op: str, dY, n) -> None:
 
 
 def mhc_backward_prepare(op: str, dY, B, X, stats) -> None:
-    mhc_finish(op, X, B, stats)
+    mhc_finish(op, X, B, stats, leading_dims=False)
     tensor(op, "dY", dY, shape=tuple(X.shape), dtypes=(X.dtype,), device=X.device)
 
 

@@ -1,6 +1,6 @@
 """Fake implementations of the mHC ops: output shapes, dtypes and strides only.
 
-X, dY: [T, n, C]; B, U, dU: [T, C]; fn [M, n*C], scale [3], base [M] (any float dtype; their gradients FP32); stats [T, STATS_WIDTH] and
+X, dY: [T, n, C] (finish and head: [..., n, C], any leading dims); B, U, dU: [T, C] (finish: [..., C]); fn [M, n*C], scale [3], base [M] (any float dtype; their gradients FP32); stats [T, STATS_WIDTH] and
 grad_stats [T, GRAD_STATS_WIDTH] FP32 (layout: mhc_layout.py). Outputs are fresh and contiguous, except the
 two *edges* of the training prepare op, which carry no data (see ``edges``).
 """
@@ -49,9 +49,8 @@ def mhc_finish(X, B, stats, edge_dy, edge_gs):
 
 
 def mhc_head_fwd(X):
-    checks.streams("cakeops::mhc_head_fwd", "X", X)
-    T, n, C = X.shape
-    return torch.empty((T, C), dtype=X.dtype, device=X.device)
+    checks.streams("cakeops::mhc_head_fwd", "X", X, leading_dims=True)
+    return torch.empty(X.shape[:-2] + X.shape[-1:], dtype=X.dtype, device=X.device)
 
 
 def mhc_head_bwd(dY, n: int):

@@ -93,3 +93,30 @@ def test_mhc_layer_output_unused_gives_no_gradient(backend, mode):
     _run(mode, step)(X, fn, scale, base, other).backward()
     assert fn.grad is None or torch.count_nonzero(fn.grad) == 0
     assert torch.equal(other.grad, torch.full_like(other, 2.0))
+
+
+# ---- leading dims: modules return the ops' own outputs (FSDP2 hooks a module's outputs; a view would lose it
+# to an in-place op) ----
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modules_on_batch_seq_streams_return_no_views_and_match_flat_tokens(backend, mode):
+    import cakeops
+
+    torch.manual_seed(3)
+    block = cakeops.nn.MHC(torch.nn.Linear(16, 16), hidden_size=16, hc_eps=0.05, device=DEVICE)
+    head = cakeops.nn.MHCHead()
+    X = torch.randn(2, 3, 4, 16, device=DEVICE, requires_grad=True)
+    X3 = X.detach().reshape(6, 4, 16).clone().requires_grad_()
+    run = _run(mode, lambda X: (lambda Y: (Y, head(Y)))(block(X)))
+    Y, out = run(X)
+    assert Y.shape == X.shape and out.shape == (2, 3, 16)
+    assert Y._base is None and out._base is None
+    g = torch.randn_like(out)
+    out.backward(g)
+    grads = [X.grad] + [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    Y3 = block(X3)
+    head(Y3).backward(g.reshape(6, 16))
+    assert torch.equal(Y.detach().reshape(6, 4, 16), Y3.detach())
+    for a, b in zip(grads, [X3.grad.reshape(X.shape)] + [p.grad for p in block.parameters()]):
+        assert torch.equal(a, b)

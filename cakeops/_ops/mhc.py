@@ -60,28 +60,35 @@ def fp32_params(*params: Tensor):
     return tuple(unit_last(p if p.dtype == torch.float32 else p.float()) for p in params)
 
 
+def flat(t: Tensor, dims: int) -> Tensor:
+    """[..., *last] -> [T, *last] with ``dims`` dims in all: leading dims are tokens (a view when possible)."""
+    return t if t.dim() == dims else t.reshape(-1, *t.shape[t.dim() - dims + 1:])
+
+
 def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
-    X, B, stats = unit_last(X), unit_last(B), unit_last(stats)
+    """Y in X's shape: X [..., n, C] and B [..., C] with any leading dims (a module's output is then Y itself,
+    not a view of it)."""
     Y = torch.empty(X.shape, dtype=X.dtype, device=X.device) if Y is None else Y
-    if _backend.use_triton(X):
+    X3, B2, Y3, stats = unit_last(flat(X, 3)), unit_last(flat(B, 2)), flat(Y, 3), unit_last(stats)
+    if _backend.use_triton(X3):
         from .._triton import mhc_forward as kernels
-        with _backend.kernel_device(X):
-            kernels.finish(X, B, stats, Y)
+        with _backend.kernel_device(X3):
+            kernels.finish(X3, B2, stats, Y3)
     else:
-        Y.copy_(reference.forward_finish(X, B, stats))
+        Y3.copy_(reference.forward_finish(X3, B2, stats))
     return Y
 
 
 def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
-    X = unit_last(X)
-    T, n, C = X.shape
-    Y = torch.empty((T, C), dtype=X.dtype, device=X.device) if Y is None else Y
-    if _backend.use_triton(X):
+    """Y [..., C] from X [..., n, C], any leading dims."""
+    Y = torch.empty(X.shape[:-2] + X.shape[-1:], dtype=X.dtype, device=X.device) if Y is None else Y
+    X3, Y2 = unit_last(flat(X, 3)), flat(Y, 2)
+    if _backend.use_triton(X3):
         from .._triton import mhc_forward as kernels
-        with _backend.kernel_device(X):
-            kernels.head_forward(X, Y)
+        with _backend.kernel_device(X3):
+            kernels.head_forward(X3, Y2)
     else:
-        Y.copy_(reference.head_forward(X))
+        Y2.copy_(reference.head_forward(X3))
     return Y
 
 
@@ -178,7 +185,7 @@ def mhc_finish(X: Tensor, B: Tensor, stats: Tensor, edge_dy: Tensor, edge_gs: Te
 
 @torch.library.custom_op("cakeops::mhc_head_fwd", mutates_args=())
 def mhc_head_fwd(X: Tensor) -> Tensor:
-    checks.streams("cakeops::mhc_head_fwd", "X", X)
+    checks.streams("cakeops::mhc_head_fwd", "X", X, leading_dims=True)
     return head_forward_impl(X)
 
 
@@ -241,15 +248,21 @@ def prepare_backward(bwd, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, st
 
 def finish_backward(bwd, X: Tensor, B: Tensor, stats: Tensor, dY: Optional[Tensor]):
     """The finish node: gradients of (X, B, stats or state, edge_dY, edge_grad_stats). None for X: dY travels
-    to the prepare node as the first edge's gradient, grad_stats as the second's (module docstring)."""
+    to the prepare node as the first edge's gradient, grad_stats as the second's (module docstring). X, B, dY
+    may have leading dims; the backward ops and the edges take them flattened to tokens."""
     if dY is None:
         return None, None, None, None, None
-    dB, grad_stats = bwd(dY, B, X, stats)
-    return None, dB, None, dY, grad_stats
+    dY3 = flat(dY, 3)
+    dB, grad_stats = bwd(dY3, flat(B, 2), flat(X, 3), stats)
+    return None, (dB if B.dim() == 2 else dB.view(B.shape)), None, dY3, grad_stats
 
 
 def head_backward(bwd, dY: Optional[Tensor], n: int) -> Optional[Tensor]:
-    return None if dY is None else bwd(dY, n)
+    """dX [..., n, C] from dY [..., C]."""
+    if dY is None:
+        return None
+    dX = bwd(flat(dY, 2), n)
+    return dX if dY.dim() == 2 else dX.view(*dY.shape[:-1], n, dY.shape[-1])
 
 
 def _setup_prepare(ctx, inputs, output):
@@ -282,7 +295,7 @@ def _backward_finish_node(ctx, dY):
 
 
 def _setup_head(ctx, inputs, output):
-    ctx.n = inputs[0].shape[1]
+    ctx.n = inputs[0].shape[-2]
     ctx.set_materialize_grads(False)
 
 
