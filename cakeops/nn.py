@@ -70,9 +70,10 @@ class MHC(nn.Module):
     Mixed precision: the mapping may be cast with the model (``model.to(torch.bfloat16)``, FSDP2's
     ``MixedPrecisionPolicy``); the ops compute in FP32 whatever its dtype and return its gradients in its dtype.
     ``keep_fp32_mapping=True`` keeps fn, scale and base FP32 through ``model.to(dtype)`` / ``.half()`` /
-    ``.bfloat16()`` (a cast of the model leaves their values and dtype alone, a move takes them along), for optimizers that should update FP32 mapping
-    weights -- bf16 storage rounds ``base``'s logit offsets (~4) to steps of 1/32. An FSDP2 policy casts the
-    compute copy only, so there the sharded FP32 parameters stay FP32 without the flag.
+    ``.bfloat16()`` (a cast of the model leaves their values and dtype alone, a move takes them along), for
+    optimizers that should update FP32 mapping weights -- bf16 storage rounds ``base``'s logit offsets (~4) to
+    steps of 1/32. An FSDP2 policy casts the compute copy only, so there the sharded FP32 parameters stay FP32
+    without the flag.
     """
 
     def __init__(self, branch: nn.Module, hidden_size: int, n_streams: int = 4, *, sinkhorn_iters: int = 20,
@@ -113,11 +114,13 @@ class MHC(nn.Module):
         from .cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare
 
         n, C = self.n_streams, self.hidden_size
-        if not isinstance(X, torch.Tensor) or X.dim() < 2 or tuple(X.shape[-2:]) != (n, C):
+        if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
             got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
-            raise ValueError(f"MHC: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), got {got}"
-                             + ("; widen the stream first with cakeops.nn.StreamExpand" if isinstance(X, torch.Tensor)
-                                and X.dim() >= 1 and X.shape[-1] == C and (X.dim() < 2 or X.shape[-2] != n) else ""))
+            hint = ""
+            if isinstance(X, torch.Tensor) and X.dim() >= 1 and X.shape[-1] == C and X.shape[-2:] != (n, C):
+                hint = "; widen the stream first with cakeops.nn.StreamExpand"
+            raise ValueError(f"MHC: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), "
+                             f"got {got}{hint}")
         U, handle = cake_mhc_train_prepare(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
                                            hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
                                            save_stats=self.save_stats, deterministic=self.deterministic)
