@@ -261,8 +261,21 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
                            hc_eps: float = 1e-6, sinkhorn_iters: int = 20, save_stats: bool = True,
                            deterministic: bool = True) -> Tuple[Tensor, MHCTrainHandle]:
     """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs.
-    X is [..., n, C] (any leading dims, e.g. [batch, seq, n, C]); U is [..., C].
-    ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits)."""
+
+    X: the residual streams ``[..., n, C]`` (any leading dims, e.g. ``[batch, seq, 4, C]``), bf16, fp16 or fp32,
+    n = 4. fn ``[24, 4*C]``, scale ``[3]``, base ``[24]``: the mapping, in any float dtype (the math is FP32).
+    rms_eps, hc_eps: finite floats > 0; sinkhorn_iters: 1..64. U is ``[..., C]`` in X's dtype.
+    ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits);
+    ``deterministic=False`` sums the parameter gradients with atomics.
+
+    >>> C = 32
+    >>> X = torch.randn(2, 5, 4, C, requires_grad=True)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> U, handle = cake_mhc_train_prepare(X, fn, scale, base)
+    >>> Y = cake_mhc_train_finish(X, torch.tanh(U), handle)      # the branch here: tanh
+    >>> U.shape, Y.shape, cake_mhc_train_head(Y).shape
+    (torch.Size([2, 5, 32]), torch.Size([2, 5, 4, 32]), torch.Size([2, 5, 32]))
+    """
     args.streams("X", X, leading_dims=True)
     X3 = ops.flat(X, 3)
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)

@@ -132,8 +132,20 @@ class CakeRMSNormFunction(torch.autograd.Function):
 
 def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None,
                  deterministic: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """RMSNorm with autograd: ``y`` or ``(y, h_new)``. Under torch.compile it becomes the cakeops custom ops
-    (whose registered backward is ``cakeops::rmsnorm_bwd``); in eager mode, CakeRMSNormFunction."""
+    """RMSNorm with autograd: ``y = x / rms(x) * w``, or with ``residual`` ``(y, h_new)`` where ``h_new = x +
+    residual`` is normalized in the same pass.
+
+    x: ``[..., H]`` bf16, fp16 or fp32 (any H >= 1); w: ``[H]`` in any float dtype; residual: like x. eps: a
+    finite float > 0. deterministic: a fixed-order weight-gradient sum (True) or atomics (False). Statistics are
+    FP32; y and h_new have x's dtype; w's gradient has w's dtype. Under torch.compile it becomes the cakeops
+    custom ops (backward ``cakeops::rmsnorm_bwd``); eagerly, CakeRMSNormFunction.
+
+    >>> x = torch.randn(2, 8, 64, requires_grad=True)
+    >>> w = torch.ones(64, requires_grad=True)
+    >>> y, h = cake_rmsnorm(x, w, 1e-6, residual=torch.zeros_like(x))
+    >>> y.shape, bool(torch.equal(h, x))
+    (torch.Size([2, 8, 64]), True)
+    """
     if not (torch.compiler.is_compiling() or any_dtensor(x=x, w=w, residual=residual)):
         _check_flags(deterministic)
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
