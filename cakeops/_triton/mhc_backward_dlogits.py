@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _DCOMB
-from .mhc_math import normalize, sigmoid, sinkhorn
+from .mhc_math import sigmoid, sinkhorn
 
 
 M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row

@@ -81,7 +81,7 @@ def run(blocks=16, dim=32, heads=4, vocab=48, batch=2, seq=16, steps=3, dtype=to
             times[name] = time.perf_counter() - t0
         if step == 0:
             record["compile_s"] = times["compiled"]
-            (le, ge), (lc, gc) = outs["eager"], outs["compiled"]
+            ge, gc = outs["eager"][1], outs["compiled"][1]
             errors = {name: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
                       for name, a, b in zip(names, gc, ge)}
             record["grad_rel_err"] = dict(sorted(errors.items(), key=lambda kv: -kv[1]))
