@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                 print(f"step {step:4d}  loss {mean:.3f}  {time.time() - t0:6.1f} s", flush=True)
         if rank == 0:
             print(f"loss {first:.3f} -> {mean:.3f}", flush=True)
+        # every rank reaches teardown before any leaves: a gloo rank whose peer already closed its connection
+        # can abort in destroy_process_group
+        dist.barrier()
         return 0 if mean < first else 1
     finally:
         dist.destroy_process_group()
