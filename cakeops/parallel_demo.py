@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # device_id binds the NCCL communicator to this rank's GPU up front (barrier() would otherwise guess it)
+    dist.init_process_group("nccl" if use_cuda else "gloo", **({"device_id": device} if use_cuda else {}))
     try:
         torch.manual_seed(0)  # the same initial weights on every rank
         model = TinyLM(len(ALPHABET), args.dim, args.layers, heads=4, max_len=args.length + 1).to(device)
