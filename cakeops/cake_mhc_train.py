@@ -369,12 +369,10 @@ def cake_mhc_train_gated_head_forward(X: Tensor, fn: Tensor, scale: Tensor, base
     (torch.Size([3, 8]), torch.Size([3, 32]), torch.float32)
     """
     hp = _check_gated_head(X, fn, scale, base, rms_eps, hc_eps)
-
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, head_layout.HEAD_STATS_WIDTH), dtype=torch.float32,
                            device=X.device)
-
     return head_ops.forward_impl(X, fn, scale, base, *hp, Y=out, stats=stats_out)
 
 
@@ -400,7 +398,6 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
     (torch.Size([3, 2, 8]), torch.Size([2, 16]), torch.Size([1]), torch.Size([2]))
     """
     hp = _check_gated_head(X, fn, scale, base, rms_eps, hc_eps)
-
     T, n, C = X.shape
     args.like("dY", dY, X, (T, C))
     args.stats("stats", stats, X, head_layout.HEAD_STATS_WIDTH)
@@ -413,7 +410,6 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into; pass all three "
                          "(FP32, contiguous) or accumulate=False")
-
     return head_ops.backward_impl(dY, X, fn, scale, base, stats, *hp, deterministic=deterministic,
                                   accumulate=accumulate, dX=dX, dfn=dfn, dscale=dscale, dbase=dbase)
 
@@ -424,7 +420,6 @@ class CakeMHCTrainGatedHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, fn, scale, base, rms_eps, hc_eps, deterministic):
-
         Y, stats = head_ops.forward_impl(X, fn, scale, base, rms_eps, hc_eps)
         ctx.save_for_backward(X, fn, scale, base, stats)
         ctx.hparams = (rms_eps, hc_eps)
@@ -434,7 +429,6 @@ class CakeMHCTrainGatedHeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dY):
-
         X, fn, scale, base, stats = ctx.saved_tensors
         return head_ops.gated_head_backward(head_ops.backward_impl, dY, X, fn, scale, base, stats, ctx.hparams,
                                             ctx.deterministic) + (None, None, None)
