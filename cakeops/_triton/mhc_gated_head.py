@@ -122,14 +122,15 @@ class GatedHeadConfig:
     dx_elems: int = 256              # dX kernel: n * columns per program (64 columns at n = 4)
     dx_warps: int = 4
     dx_stages: Optional[int] = 2
-    dx_per_sm: int = 4
+    dx_per_sm: int = 3               # backward_finish's B runs 4 per SM at 128 registers; this kernel also holds
+    #                                  the dfn accumulator (~+32 registers at 64 columns), so 3 fit in one wave
     dx_splits: Optional[int] = None
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
 
     @staticmethod
     def candidates():
         """Variants for a tuner (python -m cakeops.bench.tune does not sweep them yet)."""
-        for per_sm, elems in ((3, 256), (6, 256), (2, 512)):
+        for per_sm, elems in ((4, 256), (2, 256), (6, 128), (2, 512)):
             yield GatedHeadConfig(dx_per_sm=per_sm, dx_elems=elems)
         yield GatedHeadConfig(dgate_elems=64)
 
