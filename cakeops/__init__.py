@@ -27,6 +27,7 @@ _bind_meta()
 from . import _ops  # noqa: E402,F401  (registers torch.ops.cakeops.*)
 from . import cake_mhc_train, cake_rmsnorm_train  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
+from .cake_mhc_train import cake_mhc_train_gated_head  # noqa: E402,F401
 from .cake_rmsnorm_train import cake_rmsnorm  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
 """Modules users put in models."""
+import math
 from typing import Optional
 
 import torch
@@ -148,9 +149,63 @@ class StreamExpand(nn.Module):
 
 
 class MHCHead(nn.Module):
-    """``[..., n, C] -> [..., C]``: the model's final collapse, the mean of the streams (cakeops head op)."""
+    """``[..., n, C] -> [..., C]``: the model's final collapse of the residual streams.
+
+    ``gated=False`` (the default, ``MHCHead()``): the mean of the streams (cakeops head op), no parameters, no
+    other argument needed. ``gated=True``: DeepSeek-V4's hc_head, ``Y = sum_i g_i * X_i`` with per-token gates
+    ``g_i = sigmoid(rstd * (fn_i . x) * scale + base_i) + hc_eps`` (``x`` the token's n streams flattened,
+    ``rstd = 1/sqrt(mean(x^2) + rms_eps)``; cakeops.cake_mhc_train.cake_mhc_train_gated_head). It then needs
+    ``hidden_size`` (C) and owns the parameters ``fn [n, n*C]``, ``scale [1]`` and ``base [n]``, initialised so
+    the head starts as (nearly) the plain mean: fn ~ N(0, 1/(n*C)), scale 0.01 (the projection barely moves the
+    gates) and base = -log(n - 1), so every gate starts at sigmoid(base) + hc_eps = 1/n + hc_eps.
+    ``n_streams`` in 2, 4, 8; ``rms_eps``, ``hc_eps`` finite floats > 0; ``deterministic=False`` sums the
+    parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32 by default; the math is FP32
+    either way and their gradients come back in their dtype).
+    """
+
+    def __init__(self, *, gated: bool = False, hidden_size: Optional[int] = None, n_streams: int = 4,
+                 rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, device=None, dtype=None):
+        super().__init__()
+        from .meta.mhc_head_layout import SUPPORTED_N
+
+        if not isinstance(gated, bool):
+            raise TypeError(f"gated: expected a bool, got {type(gated).__name__}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+        self.gated = gated
+        self.deterministic = deterministic
+        if not gated:
+            if hidden_size is not None:
+                raise ValueError("hidden_size: the plain head (gated=False) has no parameters and takes no hidden "
+                                 "size; pass gated=True for the gated head, or leave hidden_size out")
+            return
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: the gated head needs the hidden size C, an int >= 1, got {hidden_size!r}")
+        if n_streams not in SUPPORTED_N:
+            raise NotImplementedError(f"n_streams: the gated head supports {SUPPORTED_N} streams, got {n_streams!r}")
+        self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
+        self.hc_eps = _checks.positive_float("hc_eps", hc_eps)
+        n, C = n_streams, hidden_size
+        self.hidden_size, self.n_streams = C, n
+        self.fn = nn.Parameter((torch.randn(n, n * C, device=device) / (n * C) ** 0.5).to(dtype or torch.float32))
+        self.scale = nn.Parameter(torch.full((1,), 0.01, device=device, dtype=dtype or torch.float32))
+        self.base = nn.Parameter(torch.full((n,), -math.log(n - 1), device=device, dtype=dtype or torch.float32))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        from .cake_mhc_train import cake_mhc_train_head
+        from .cake_mhc_train import cake_mhc_train_gated_head, cake_mhc_train_head
 
-        return cake_mhc_train_head(X)  # [..., C], the op's own output, not a view (FSDP2 hooks module outputs)
+        if not self.gated:
+            return cake_mhc_train_head(X)  # [..., C], the op's own output, not a view (FSDP2 hooks module outputs)
+        n, C = self.n_streams, self.hidden_size
+        if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
+            got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
+            raise ValueError(f"MHCHead: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), "
+                             f"got {got}")
+        return cake_mhc_train_gated_head(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
+                                         hc_eps=self.hc_eps, deterministic=self.deterministic)
+
+    def extra_repr(self) -> str:
+        if not self.gated:
+            return ""
+        return (f"gated=True, hidden_size={self.hidden_size}, n_streams={self.n_streams}, rms_eps={self.rms_eps}, "
+                f"hc_eps={self.hc_eps}")

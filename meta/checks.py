@@ -130,3 +130,35 @@ def mhc_backward_finish(op: str, X, dY, dU, fn, scale, base, stats, grad_stats, 
     branch(op, "dU", dU, X, same_dtype=True)
     record(op, "stats", stats, X, layout.STATS_WIDTH)
     record(op, "grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
+
+
+# ---- the gated head (meta/mhc_head_layout.py) ----
+
+def gated_streams(op: str, name: str, X, leading_dims: bool = False) -> None:
+    """[T, n, C] ([..., n, C] with leading_dims), n in mhc_head_layout.SUPPORTED_N."""
+    from . import mhc_head_layout as head
+
+    tensor(op, name, X, dtypes=FLOAT_DTYPES)
+    if X.dim() != 3 and not (leading_dims and X.dim() > 3):
+        raise ValueError(f"{op}: {name}: expected a {'[..., n, C]' if leading_dims else '3-D [T, n, C]'} tensor, "
+                         f"got shape {tuple(X.shape)}")
+    if X.shape[-2] not in head.SUPPORTED_N:
+        raise ValueError(f"{op}: {name}: expected n in {head.SUPPORTED_N} streams, got shape {tuple(X.shape)}")
+
+
+def mhc_gated_head_fwd(op: str, X, fn, scale, base, rms_eps, hc_eps, leading_dims: bool = True) -> None:
+    gated_streams(op, "X", X, leading_dims)
+    n, C = X.shape[-2], X.shape[-1]
+    tensor(op, "fn", fn, shape=(n, n * C), dtypes=FLOAT_DTYPES, device=X.device)
+    tensor(op, "scale", scale, shape=(1,), dtypes=FLOAT_DTYPES, device=X.device)
+    tensor(op, "base", base, shape=(n,), dtypes=FLOAT_DTYPES, device=X.device)
+    positive(op, "rms_eps", rms_eps)
+    positive(op, "hc_eps", hc_eps)
+
+
+def mhc_gated_head_bwd(op: str, dY, X, fn, scale, base, stats, rms_eps, hc_eps) -> None:
+    from . import mhc_head_layout as head
+
+    mhc_gated_head_fwd(op, X, fn, scale, base, rms_eps, hc_eps, leading_dims=False)
+    tensor(op, "dY", dY, shape=(X.shape[0], X.shape[2]), dtypes=(X.dtype,), device=X.device)
+    record(op, "stats", stats, X, head.HEAD_STATS_WIDTH)

@@ -7,7 +7,10 @@ import torch
 from cakeops import cake_mhc_train, cake_rmsnorm_train
 
 
-@pytest.mark.parametrize("fn", [cake_rmsnorm_train.cake_rmsnorm, cake_mhc_train.cake_mhc_train_prepare],
+@pytest.mark.parametrize("fn", [cake_rmsnorm_train.cake_rmsnorm, cake_mhc_train.cake_mhc_train_prepare,
+                                cake_mhc_train.cake_mhc_train_gated_head,
+                                cake_mhc_train.cake_mhc_train_gated_head_forward,
+                                cake_mhc_train.cake_mhc_train_gated_head_backward],
                          ids=lambda f: f.__name__)
 def test_docstring_example_runs(fn):
     module = cake_mhc_train if fn.__module__.endswith("mhc_train") else cake_rmsnorm_train

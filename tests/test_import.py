@@ -11,7 +11,8 @@ def test_import_registers_ops_without_triton_and_quickly():
         t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
         import cakeops; t2 = time.perf_counter()
         names = ["rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "mhc_prepare", "mhc_stats", "mhc_finish",
-                 "mhc_head_fwd", "mhc_head_bwd", "mhc_backward_prepare", "mhc_backward_finish"]
+                 "mhc_head_fwd", "mhc_head_bwd", "mhc_backward_prepare", "mhc_backward_finish",
+                 "mhc_gated_head_fwd", "mhc_gated_head_bwd"]
         missing = [n for n in names if not hasattr(torch.ops.cakeops, n)]
         print(repr((missing, "triton" in sys.modules, t2 - t1)))
     """)

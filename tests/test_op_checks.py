@@ -10,11 +10,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cakeops  # noqa: F401  (registers the ops)
 from cakeops.cake_mhc_train import (
+    cake_mhc_train_gated_head_backward, cake_mhc_train_gated_head_forward,
     cake_mhc_train_backward_finish, cake_mhc_train_backward_prepare, cake_mhc_train_forward_finish,
     cake_mhc_train_forward_prepare, cake_mhc_train_forward_stats, cake_mhc_train_head_backward,
     cake_mhc_train_head_forward,
 )
 from cakeops.cake_rmsnorm_train import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from cakeops.meta.mhc_head_layout import HEAD_STATS_WIDTH
 from cakeops.meta.mhc_layout import GRAD_STATS_WIDTH, N_LOGITS, STATS_WIDTH
 from conftest import DEVICE
 
@@ -33,7 +35,8 @@ def _good():
     return dict(x=rand(4, H, dtype=BF16), w=rand(H, dtype=BF16), res=rand(4, H, dtype=BF16), rstd=rand(4).abs(),
                 X=rand(T, N, C, dtype=BF16), fn=rand(N_LOGITS, N * C) * 0.1, scale=rand(3), base=rand(N_LOGITS),
                 B=rand(T, C, dtype=BF16), stats=rand(T, STATS_WIDTH), gs=rand(T, GRAD_STATS_WIDTH),
-                dY=rand(T, N, C, dtype=BF16), dU=rand(T, C, dtype=BF16), dYh=rand(T, C, dtype=BF16))
+                dY=rand(T, N, C, dtype=BF16), dU=rand(T, C, dtype=BF16), dYh=rand(T, C, dtype=BF16),
+                hfn=rand(N, N * C) * 0.1, hscale=rand(1), hbase=rand(N), hstats=rand(T, HEAD_STATS_WIDTH))
 
 
 def _edges(a):
@@ -124,6 +127,28 @@ CASES = [
                                               a["stats"], a["gs"], **HP),
      lambda a: ops.mhc_backward_finish(a["X"], a["dY"], a["dU"], a["fn"], a["scale"], a["base"], a["stats"],
                                        a["gs"], 1e-5, 1e-6, 3, True)),
+    ("mhc_gated_head_fwd", "fn of an mHC layer", dict(hfn=lambda a: a["fn"]),
+     lambda a: cake_mhc_train_gated_head_forward(a["X"], a["hfn"], a["hscale"], a["hbase"]),
+     lambda a: ops.mhc_gated_head_fwd(a["X"], a["hfn"], a["hscale"], a["hbase"], 1e-5, 1e-6, True)),
+    ("mhc_gated_head_fwd", "3 streams", dict(X=lambda a: a["X"][:, :3]),
+     lambda a: cake_mhc_train_gated_head_forward(a["X"], a["hfn"], a["hscale"], a["hbase"]),
+     lambda a: ops.mhc_gated_head_fwd(a["X"], a["hfn"], a["hscale"], a["hbase"], 1e-5, 1e-6, True)),
+    ("mhc_gated_head_fwd", "scale of 3 entries", dict(hscale=lambda a: a["scale"]),
+     lambda a: cake_mhc_train_gated_head_forward(a["X"], a["hfn"], a["hscale"], a["hbase"]),
+     lambda a: ops.mhc_gated_head_fwd(a["X"], a["hfn"], a["hscale"], a["hbase"], 1e-5, 1e-6, True)),
+    ("mhc_gated_head_bwd", "stats of an mHC layer", dict(hstats=lambda a: a["stats"]),
+     lambda a: cake_mhc_train_gated_head_backward(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"]),
+     lambda a: ops.mhc_gated_head_bwd(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"], 1e-5, 1e-6,
+                                      True)),
+    ("mhc_gated_head_bwd", "dY with fewer tokens", dict(dYh=lambda a: a["dYh"][:2]),
+     lambda a: cake_mhc_train_gated_head_backward(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"]),
+     lambda a: ops.mhc_gated_head_bwd(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"], 1e-5, 1e-6,
+                                      True)),
+    ("mhc_gated_head_bwd", "hc_eps = 0", {},
+     lambda a: cake_mhc_train_gated_head_backward(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"],
+                                                  hc_eps=0.0),
+     lambda a: ops.mhc_gated_head_bwd(a["dYh"], a["X"], a["hfn"], a["hscale"], a["hbase"], a["hstats"], 1e-5, 0.0,
+                                      True)),
 ]
 IDS = [f"{op}: {what}" for op, what, *_ in CASES]
 

@@ -1,5 +1,5 @@
 """torch.library custom ops of cakeops (namespace ``cakeops``); importing registers them all."""
-from . import mhc, rmsnorm  # noqa: F401
+from . import mhc, mhc_gated_head, rmsnorm  # noqa: F401
 from .inductor import register_fallbacks_if_inductor_loaded
 
 register_fallbacks_if_inductor_loaded()  # Inductor already imported before cakeops: register now

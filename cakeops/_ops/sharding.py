@@ -29,6 +29,8 @@ _ROLES = {
     "mhc_head_bwd": (("t", None), ("t",)),
     "mhc_backward_prepare": (("t", "t", "t", "t"), ("t", "t")),
     "mhc_backward_finish": (("t", "t", "t", "r", "r", "r", "t", "t", None, None, None, None), ("t", "p", "p", "p")),
+    "mhc_gated_head_fwd": (("t", "r", "r", "r", None, None, None), ("t", "t")),
+    "mhc_gated_head_bwd": (("t", "t", "r", "r", "r", "t", None, None, None), ("t", "p", "p", "p")),
 }
 
 

@@ -45,9 +45,11 @@ def _dx_kernel(
 @triton.jit
 def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
              stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
-             X_PER_STREAM: tl.constexpr):
+             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
-    t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD]."""
+    t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD].
+    MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX, whose gates sit at PRE.
+    Returns the FP32 x tile (the gated head reuses it for dfn)."""
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
     mask = t_ok & c_ok
@@ -60,11 +62,13 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
         x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
     du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
     dx = tl.load(s_row + _PRE + i, mask=t_ok, other=0.0) * du - x * s
-    for j in tl.static_range(N):
-        dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
-        dx += tl.load(s_row + _COMB + i * N + j, mask=t_ok, other=0.0) * dy
+    if MIX_STREAMS:
+        for j in tl.static_range(N):
+            dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
+            dx += tl.load(s_row + _COMB + i * N + j, mask=t_ok, other=0.0) * dy
     dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
+    return x
 
 
 @triton.jit

@@ -48,9 +48,10 @@ def _finish_kernel(
 
 
 @triton.jit
-def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, c_blocks,
+def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st, c_blocks,
                      N: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr):
-    """WEIGHTED: Y = sum_i pre_i * X_i, pre from the stats record (forward_prepare's collapse U); else the
+    """WEIGHTED: Y = sum_i pre_i * X_i, pre_i at column PRE + i of the record row (stride_st floats apart: the
+    mHC stats, forward_prepare's collapse U, or the gated head's record, meta/mhc_head_layout.py); else the
     head, Y = (((0 + X0) + X1) + X2) + X3) / n: the order and the one rounding of X.mean(dim=1)."""
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
@@ -58,7 +59,7 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, c_blocks,
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
         if WEIGHTED:
-            acc += tl.load(STATS + t * _STATS_WIDTH + _PRE + i) * x
+            acc += tl.load(STATS + t * stride_st + _PRE + i) * x
         else:
             acc += x
     if not WEIGHTED:
@@ -122,8 +123,9 @@ def head_forward(X: torch.Tensor, Y: torch.Tensor, *, config: Optional[StreamCon
 
 
 def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, *, config: Optional[StreamConfig] = None) -> None:
-    """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre from the stats record."""
-    assert stats.is_contiguous()
+    """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre_i at column PRE + i of a record row (the mHC
+    stats, or the gated head's record: its GATE column is PRE)."""
+    assert stats.stride(1) == 1
     _collapse(X, stats, U, config)
 
 
@@ -135,7 +137,8 @@ def _collapse(X, stats, Y, config):
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     _collapse_kernel[(T * c_blocks,)](
-        X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0), c_blocks,
+        X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0),
+        0 if stats is None else stats.stride(0), c_blocks,
         N=n, WEIGHTED=stats is not None, BLOCK_C=block_c, num_warps=warps,
     )
 

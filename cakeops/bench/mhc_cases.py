@@ -1,5 +1,5 @@
-"""mHC bench cases: forward_prepare, forward_finish, head (fwd, bwd), backward_prepare, backward_finish, and one
-whole layer forward + backward with an identity branch.
+"""mHC bench cases: forward_prepare, forward_finish, head (fwd, bwd), the gated head (fwd, bwd), backward_prepare,
+backward_finish, and one whole layer forward + backward with an identity branch.
 
 Peers run the reference math (``cakeops.reference.mhc``) in eager torch and under torch.compile; the oracle of
 every check is that math in float64 on the same inputs.
@@ -12,6 +12,7 @@ import torch
 from .. import cake_mhc_train as mhc
 from ..meta import mhc_layout as layout
 from ..reference import mhc as ref
+from ..reference import mhc_gated_head as gh_ref
 from ..testing import rel_err
 from .core import Case, generator, register
 from .profile import kernel_times_us
@@ -116,6 +117,66 @@ def _head_bwd_ref(s):
 
 def _head_bwd_check(s):
     return {"dX": rel_err(_head_bwd(s), ref.head_backward(s.dU.double(), N))}
+
+
+# ---- the gated head (DeepSeek-V4's hc_head), forward and backward ----
+# Minimal bytes, forward: X read once, fn read once, Y written, the record written (its 32 FP32 per token).
+# Backward: X and dY read once, dX written, fn read, dfn written, the record read (scale, base, dscale, dbase
+# are a few bytes). The kernels read X twice in each direction (a whole-row reduction first, DESIGN.md), so
+# these rows sit below the copy ceiling by design, like forward_prepare's and backward_finish's.
+
+GH_HP = dict(rms_eps=1e-5, hc_eps=1e-6)
+
+
+def _make_gated(device, dtype, size):
+    T, C = size["T"], size["C"]
+    gen = generator(device, "mhc gated head", T, C)
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    s = SimpleNamespace(X=randn(T, N, C), dY=randn(T, C))
+    s.fn = randn(N, N * C, dt=torch.float32) / (N * C) ** 0.5
+    s.scale = torch.tensor([3.0], device=device)  # gates far from 1/2
+    s.base = randn(N, dt=torch.float32)
+    s.Y, s.stats = mhc.cake_mhc_train_gated_head_forward(s.X, s.fn, s.scale, s.base, **GH_HP)
+    return s
+
+
+def _gated_args(s):
+    return s.X, s.fn, s.scale, s.base
+
+
+def _gated_fwd(s):
+    return mhc.cake_mhc_train_gated_head_forward(*_gated_args(s), **GH_HP)
+
+
+def _gated_fwd_ref(s):
+    return gh_ref.forward(*_gated_args(s), *GH_HP.values())
+
+
+def _gated_fwd_bytes(s):
+    return s.X.nbytes + s.fn.nbytes + s.Y.nbytes + s.stats.nbytes
+
+
+def _gated_fwd_check(s):
+    return _errors(("Y", "stats"), _gated_fwd(s), _gated_fwd_ref(_d(s)))
+
+
+def _gated_bwd(s):
+    return mhc.cake_mhc_train_gated_head_backward(s.dY, *_gated_args(s), s.stats, **GH_HP)
+
+
+def _gated_bwd_ref(s):
+    return gh_ref.backward(s.dY, *_gated_args(s), s.stats, GH_HP["hc_eps"])
+
+
+def _gated_bwd_bytes(s):
+    return 2 * s.X.nbytes + s.dY.nbytes + 2 * s.fn.nbytes + s.stats.nbytes  # X, dX; dY; fn, dfn; the record
+
+
+def _gated_bwd_check(s):
+    return _errors(("dX", "dfn", "dscale", "dbase"), _gated_bwd(s), _gated_bwd_ref(_d(s)))
 
 
 # ---- backward ----
@@ -250,6 +311,16 @@ def _cases():
         for i, size in enumerate(SHAPES):
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
                        peers=peers(eager), tiny=TINY, quick=i == 0)
+    gated = (
+        ("mhc gated head fwd", _gated_fwd, _gated_fwd_bytes, _gated_fwd_check, {"Y": OUT_TOL, "stats": STATS_TOL},
+         _gated_fwd_ref),
+        ("mhc gated head bwd", _gated_bwd, _gated_bwd_bytes, _gated_bwd_check,
+         {"dX": GRAD_TOL, "dfn": GRAD_TOL, "dscale": GRAD_TOL, "dbase": GRAD_TOL}, _gated_bwd_ref),
+    )
+    for name, run, nbytes, check, tol, eager in gated:
+        for i, size in enumerate(SHAPES):
+            yield Case(family="mhc", name=name, size=size, make=_make_gated, run=run, nbytes=nbytes, check=check,
+                       tol=tol, peers=peers(eager), tiny=TINY, quick=i == 0)
     layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled,
                    "cakeops under torch.compile": _layer_compiled_cakeops}
     for i, size in enumerate(SHAPES[:2]):

@@ -1,0 +1,117 @@
+"""The gated head's custom ops (``torch.ops.cakeops.mhc_gated_head_fwd`` / ``_bwd``): device kernels (Triton on
+CUDA or under the interpreter, the reference math on CPU), fakes, and one backward formula that the eager
+autograd.Function (cake_mhc_train.py) and ``register_autograd`` share."""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from cakeops.meta import checks
+from cakeops.meta import mhc_gated_head as fake
+from cakeops.meta import mhc_head_layout as layout
+
+from .. import _backend
+from ..reference import mhc_gated_head as reference
+from . import inductor
+from .determinism import alert_not_deterministic
+from .mhc import flat, fp32_params
+from .strides import unit_last
+
+
+def forward_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                 Y: Optional[Tensor] = None, stats: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(Y [..., C], stats [T, HEAD_STATS_WIDTH]) from X [..., n, C], any leading dims; into Y / stats when given."""
+    X3 = unit_last(flat(X, 3))
+    fn, scale, base = fp32_params(fn, scale, base)
+    T, n, C = X3.shape
+    Y = torch.empty(X.shape[:-2] + X.shape[-1:], dtype=X.dtype, device=X.device) if Y is None else Y
+    stats = torch.empty((T, layout.HEAD_STATS_WIDTH), dtype=torch.float32, device=X.device) if stats is None else stats
+    Y2 = flat(Y, 2)
+    if _backend.use_triton(X3):
+        from .._triton import mhc_gated_head as kernels
+        with _backend.kernel_device(X3):
+            kernels.forward(X3, fn, scale, base, rms_eps, hc_eps, stats, Y2)
+    else:
+        ref_Y, ref_stats = reference.forward(X3, fn, scale, base, rms_eps, hc_eps)
+        Y2.copy_(ref_Y)
+        stats.copy_(ref_stats)
+    return Y, stats
+
+
+def backward_impl(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor, rms_eps: float,
+                  hc_eps: float, deterministic: bool = True, accumulate: bool = False, dX: Optional[Tensor] = None,
+                  dfn: Optional[Tensor] = None, dscale: Optional[Tensor] = None,
+                  dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dX [T, n, C], dfn, dscale, dbase FP32) from dY [T, C] and X [T, n, C]; the parameter gradients added into
+    the given ones with ``accumulate``. ``rms_eps`` is not read (rstd comes from the record)."""
+    del rms_eps
+    if not deterministic:
+        alert_not_deterministic("cakeops gated head backward with deterministic=False")
+    dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
+    fn, scale, base = fp32_params(fn, scale, base)  # gradients FP32 too (autograd casts them back)
+    if dfn is None or dscale is None or dbase is None:
+        accumulate = False  # nothing given to add into
+        dfn = torch.empty_like(fn) if dfn is None else dfn
+        dscale = torch.empty_like(scale) if dscale is None else dscale
+        dbase = torch.empty_like(base) if dbase is None else dbase
+    dY, X, stats = unit_last(dY), unit_last(X), stats.contiguous()
+    if _backend.use_triton(X):
+        from .._triton import mhc_gated_head as kernels
+        with _backend.kernel_device(X):
+            kernels.backward(dY, X, fn, scale, base, stats, dX, dfn, dscale, dbase, deterministic=deterministic,
+                             accumulate=accumulate)
+    else:
+        outs = reference.backward(dY, X, fn, scale, base, stats, hc_eps)
+        dX.copy_(outs[0])
+        for buf, value in zip((dfn, dscale, dbase), outs[1:]):
+            if accumulate:
+                buf.add_(value)
+            else:
+                buf.copy_(value)
+    return dX, dfn, dscale, dbase
+
+
+@torch.library.custom_op("cakeops::mhc_gated_head_fwd", mutates_args=())
+def mhc_gated_head_fwd(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                       deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """(Y, stats). ``deterministic`` rides along for the backward."""
+    checks.mhc_gated_head_fwd("cakeops::mhc_gated_head_fwd", X, fn, scale, base, rms_eps, hc_eps)
+    return forward_impl(X, fn, scale, base, rms_eps, hc_eps)
+
+
+@torch.library.custom_op("cakeops::mhc_gated_head_bwd", mutates_args=())
+def mhc_gated_head_bwd(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
+                       rms_eps: float, hc_eps: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    checks.mhc_gated_head_bwd("cakeops::mhc_gated_head_bwd", dY, X, fn, scale, base, stats, rms_eps, hc_eps)
+    return backward_impl(dY, X, fn, scale, base, stats, rms_eps, hc_eps, deterministic)
+
+
+inductor.register_fake(mhc_gated_head_fwd, fake.mhc_gated_head_fwd)
+inductor.register_fake(mhc_gated_head_bwd, fake.mhc_gated_head_bwd)
+
+
+def gated_head_backward(bwd, dY: Optional[Tensor], X: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+                        stats: Tensor, hparams, deterministic: bool):
+    """The head node: (dX in X's shape, dfn, dscale, dbase in the parameters' dtypes) from dY [..., C]. ``bwd`` is
+    backward_impl (eager) or the custom op (compiled); both take the same positional arguments."""
+    if dY is None:
+        return None, None, None, None
+    dX, dfn, dscale, dbase = bwd(flat(dY, 2), flat(X, 3), fn, scale, base, stats, *hparams, deterministic)
+    return (dX if X.dim() == 3 else dX.view(X.shape)), dfn.to(fn.dtype), dscale.to(scale.dtype), dbase.to(base.dtype)
+
+
+def _setup(ctx, inputs, output):
+    X, fn, scale, base, rms_eps, hc_eps, deterministic = inputs
+    ctx.save_for_backward(X, fn, scale, base, output[1])
+    ctx.hparams = (rms_eps, hc_eps)
+    ctx.deterministic = deterministic
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dY, d_stats):
+    X, fn, scale, base, stats = ctx.saved_tensors
+    return gated_head_backward(torch.ops.cakeops.mhc_gated_head_bwd, dY, X, fn, scale, base, stats, ctx.hparams,
+                               ctx.deterministic) + (None, None, None)
+
+
+mhc_gated_head_fwd.register_autograd(_backward, setup_context=_setup)
