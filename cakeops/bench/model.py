@@ -453,6 +453,14 @@ def _configs(opts, parser, cuda: bool, explicit_cpu: bool) -> List[tuple]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:
+        torch.set_num_threads(threads)  # a CPU run's one thread does not leak into the caller
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = _parser()
     opts = parser.parse_args(argv)
     variants = [v.strip() for v in opts.variants.split(",") if v.strip()]
@@ -473,7 +481,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"TransformerEngine: {env['transformer_engine']}; {dtype_name}; "
           + (f"torch.compile({opts.backend}, fullgraph=True)" if opts.compile else "eager"), flush=True)
     if not cuda:
-        print("No CUDA device: a short CPU run that checks every variant runs forward and backward. "
+        # One thread: the tiny model's matrices are too small to split, and more threads spin against any other
+        # load on the machine (steps 10x slower, at random, on a shared 2-core host).
+        torch.set_num_threads(1)
+        print("No CUDA device: a short CPU run (one thread) that checks every variant runs forward and backward. "
               "CPU timings are not performance numbers.", flush=True)
 
     ok = True
