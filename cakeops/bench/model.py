@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="torch.compile the whole model and loss, fullgraph=True (default); --no-compile: eager")
     p.add_argument("--backend", default=None,
                    help="torch.compile backend (default: inductor on CUDA, aot_eager on CPU)")
+    p.add_argument("--mode", default=None,
+                   help="torch.compile mode, e.g. max-autotune-no-cudagraphs or reduce-overhead (CUDA graphs; "
+                        "default: torch's default mode)")
     p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported (10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling first step (3)")
     p.add_argument("--optimizer", action="store_true",
@@ -163,7 +166,9 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
 
         def compiled(full: bool):
             torch._dynamo.reset()
-            return torch.compile(model.loss, fullgraph=full, backend=opts.backend) if opts.compile else model.loss
+            if not opts.compile:
+                return model.loss
+            return torch.compile(model.loss, fullgraph=full, backend=opts.backend, mode=opts.mode)
 
         def step():
             model.zero_grad(set_to_none=True)
@@ -203,15 +208,17 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
+        times, host = [], []
         for _ in _steps_progress(opts.steps, f"{variant} timed"):
             _sync(device)
             t = time.perf_counter()
             step()
+            host.append(1e3 * (time.perf_counter() - t))  # the host has queued the step's work
             _sync(device)
             times.append(1e3 * (time.perf_counter() - t))
         row["step_ms"] = statistics.median(times)
         row["step_ms_all"] = times
+        row["host_ms"] = statistics.median(host)
         row["tokens_per_s"] = cfg.batch * cfg.seq / (row["step_ms"] / 1e3)
         row["first_step_s"] = first_s
         row["compile_s"] = max(0.0, first_s - row["step_ms"] / 1e3)
@@ -232,8 +239,10 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
 def _overheads(rows: List[Dict[str, Any]]) -> None:
     plain = next((r for r in rows if r["variant"] == "plain" and r["status"] == "ok"), None)
     for r in rows:
-        r["overhead_pct"] = (100.0 * (r["step_ms"] - plain["step_ms"]) / plain["step_ms"]
-                             if plain is not None and r["status"] == "ok" else None)
+        ok = plain is not None and r["status"] == "ok"
+        r["overhead_pct"] = 100.0 * (r["step_ms"] - plain["step_ms"]) / plain["step_ms"] if ok else None
+        r["peak_overhead_pct"] = (100.0 * (r["peak_gib"] - plain["peak_gib"]) / plain["peak_gib"]
+                                  if ok and r.get("peak_gib") and plain.get("peak_gib") else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -327,8 +336,8 @@ def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) ->
 
 
 def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
-    columns = ["config", "variant", "step ms", "vs plain", "tokens/s", "peak GiB" if cuda else "peak GiB (CUDA)",
-               "compile s", "first loss", "params", "notes"]
+    columns = ["config", "variant", "step ms", "vs plain", "host ms", "tokens/s",
+               "peak GiB" if cuda else "peak GiB (CUDA)", "peak vs plain", "compile s", "first loss", "params", "notes"]
     cells = []
     for res in results:
         for r in res["rows"]:
@@ -336,7 +345,8 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
             if r.get("fullgraph") is False:
                 notes.append(f"graph breaks ({r.get('graph_break', '')[:80]})")
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
-                          _fmt(r.get("tokens_per_s"), ".0f"), _fmt(r.get("peak_gib"), ".2f"),
+                          _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
+                          _fmt(r.get("peak_gib"), ".2f"), _pct(r.get("peak_overhead_pct")),
                           _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("loss"), ".4f"),
                           _fmt(r.get("params") and r["params"] / 1e6, ".1f", "M"), "; ".join(notes)])
     return columns, cells
@@ -391,8 +401,8 @@ def _environment(device: torch.device) -> Dict[str, Any]:
 def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[Path]:
     cuda = env["device"] and not env["device"].startswith("CPU")
     step = "forward + backward" + (" + AdamW step" if opts.optimizer else "")
-    how = (f"torch.compile backend {opts.backend}, fullgraph=True (whole model and loss)" if opts.compile
-           else "eager (--no-compile)")
+    how = (f"torch.compile backend {opts.backend}" + (f", mode {opts.mode}" if opts.mode else "")
+           + ", fullgraph=True (whole model and loss)" if opts.compile else "eager (--no-compile)")
     header = [f"# cakeops model benchmark -- {env['device']}", "",
               f"{env['date']}, torch {env['torch']}, triton {env['triton']}, TransformerEngine: "
               f"{env['transformer_engine']}.",
@@ -400,7 +410,9 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
               f"RoPE, SwiGLU MLP, vocab LM head, cross entropy on random tokens), {dtype_name}, mHC mappings FP32, "
               f"{how}. One step = {step}; median of {opts.steps} steps after the compiling step and {opts.warmup} "
               "warm-up steps; peak = torch.cuda.max_memory_allocated over the timed steps. Overhead = "
-              "(variant - plain) / plain.", ""]
+              "(variant - plain) / plain. Host ms: until the host has queued a step's work (close to the step "
+              "time: the step waits on the CPU). First loss: the compiling step's; cakeops and math start from the "
+              "same weights, so theirs agree to rounding.", ""]
     if not cuda:
         header += ["**CPU run: a check that every variant runs; CPU timings are not performance numbers.**", ""]
     if check is not None:
@@ -415,8 +427,10 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
     payload_rows = [dict(r, preset=res["preset"], config=res["config"]) for res in results for r in res["rows"]]
     written = [path_md, report.write_json(out / "model.json", meta, payload_rows)]
     if plot.available():
-        written.append(step_time_plot(out / "model.png", results, variants,
-                                      f"{env['device']}, {dtype_name}, {step}; bar labels: overhead vs plain"))
+        title = f"{env['device']}, {dtype_name}, {step}; bar labels: overhead vs plain"
+        if not cuda:
+            title += "\n(CPU: checks that the variants run; not performance numbers)"
+        written.append(step_time_plot(out / "model.png", results, variants, title))
     else:
         _say("matplotlib is not installed: no plot (pip install matplotlib)")
     return written
@@ -479,7 +493,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     env = _environment(device)
     print(f"cakeops bench model on {env['device']}: torch {env['torch']}, triton {env['triton']}, "
           f"TransformerEngine: {env['transformer_engine']}; {dtype_name}; "
-          + (f"torch.compile({opts.backend}, fullgraph=True)" if opts.compile else "eager"), flush=True)
+          + (f"torch.compile({opts.backend}, fullgraph=True{', mode=' + opts.mode if opts.mode else ''})"
+             if opts.compile else "eager"), flush=True)
     if not cuda:
         # One thread: the tiny model's matrices are too small to split, and more threads spin against any other
         # load on the machine (steps 10x slower, at random, on a shared 2-core host).

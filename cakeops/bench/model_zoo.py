@@ -19,6 +19,7 @@ Variants (the residual scheme around every attention and MLP branch):
   Sinkhorn runs in log space, so it computes nearly, not exactly, the cakeops function.
 """
 import importlib
+import importlib.util
 import inspect
 from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
