@@ -105,3 +105,40 @@ def test_help_documents_every_flag(capsys):
         cakeops_main.main(["bench", "model", "--help"])
     assert exit_info.value.code == 0
     assert "python -m cakeops bench model" in capsys.readouterr().out
+
+
+class _FakeTE:
+    """TransformerEngine's five mHC functions as documented (shapes, streams last), in torch: checks the adapter
+    (``TEMHC``) and the layout conversion (``te_state_dict``) without TE."""
+
+    @staticmethod
+    def mhc_fused_projection(x, phi):  # x [M, C*n], phi [N, C*n] -> H [M, 32] (N valid), ms [M]
+        H = torch.zeros(x.shape[0], 32)
+        H[:, :phi.shape[0]] = x.float() @ phi.float().T
+        return H, x.float().square().mean(-1)
+
+    @staticmethod
+    def mhc_fused_scale(H, alpha, beta, ms, n):
+        group = torch.tensor([0] * n + [1] * n + [2] * n * n)
+        z = H[:, :2 * n + n * n] * alpha[group] / (ms[:, None] + 1e-5).sqrt() + beta
+        return torch.sigmoid(z[:, :n]), 2 * torch.sigmoid(z[:, n:2 * n]), z[:, 2 * n:]
+
+    @staticmethod
+    def mhc_fused_sinkhorn(H_res, n, iters=20):
+        return model_zoo.reference_mhc.sinkhorn(H_res, 1e-6, iters)
+
+    @staticmethod
+    def mhc_fused_aggregate(x, H_pre, n):  # (s, b, C, n) @ (s, b, n) -> (s, b, C)
+        return (x.float() @ H_pre[..., None]).squeeze(-1).to(x.dtype)
+
+    @staticmethod
+    def mhc_fused_expand_combine(f, bias, H_post, x, H_res, n):  # the first release's signature, with n
+        return (f.float()[..., None] * H_post[..., None, :] + x.float() @ H_res).to(x.dtype)
+
+
+def test_te_adapter_on_a_stand_in_computes_the_cakeops_model(monkeypatch):
+    monkeypatch.setattr(model_zoo, "_te", lambda: _FakeTE)
+    check = bench_model.agreement_check(torch.device("cpu"), "cakeops", seed=0, with_te=True)
+    assert check["ok"] and "te_error" not in check, check
+    # the same function up to the stand-in's gates without hc_eps: a wrong layout would be off by O(1)
+    assert check["te_logits_rel_err"] < 1e-4

@@ -49,7 +49,7 @@ SIZE_FLAGS = ("dim", "blocks", "ffn", "heads", "batch", "seq", "vocab", "streams
 # The agreement check (FP32, tiny config): cakeops vs math. On CPU both run the reference math; on a GPU the
 # cakeops side runs the Triton kernels (TF32x3 projections in FP32).
 CHECK_TOL = {"logits": 1e-3, "loss": 1e-4, "grads": 1e-2}
-TE_CHECK_TOL = 5e-2  # informational: TE's gates and log-space Sinkhorn differ slightly from SPEC's
+TE_CHECK_TOL = 1e-2  # informational: TE's TF32 projection, eps-free gates and log-space Sinkhorn differ slightly
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -266,6 +266,11 @@ def agreement_check(device: torch.device, norm: str, seed: int, with_te: bool) -
     cfg = PRESETS["tiny"]
     tokens, targets = _tokens(cfg, device, seed)
     math_model = build(cfg, "math", device, torch.float32, norm, seed)
+    with torch.no_grad():  # mappings that matter: at their init (scale 0.01) the layers are ~plain residuals
+        gen = torch.Generator().manual_seed(seed + 2)
+        for name, p in math_model.named_parameters():
+            if name.endswith((".scale", ".base")):
+                p.add_(torch.rand(p.shape, generator=gen).to(p.device) * (1.0 if name.endswith("scale") else 0.5))
     state = {k: v.detach().clone() for k, v in math_model.state_dict().items()}
     ref_logits, ref_loss = _forward_backward(math_model, tokens, targets)
     ref_grads = {k: p.grad for k, p in math_model.named_parameters()}

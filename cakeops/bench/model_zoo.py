@@ -174,19 +174,25 @@ class TEMHC(MHC):
     """One mHC layer on TransformerEngine's Triton mHC functions; streams ``[B, S, C, n]``.
 
     ``fn`` holds TE's ``phi`` (columns in (C, n) order), ``scale`` its ``alpha`` and ``base`` its ``beta``.
+    The TE module and its signature are looked up here, once, not in ``forward`` (Dynamo traces forward).
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._te = _te()
+        # TE's first release took n in expand_combine; later ones read it from x's shape
+        takes_n = "n" in inspect.signature(self._te.mhc_fused_expand_combine).parameters
+        self._combine_kwargs = {"n": self.n_streams} if takes_n else {}
+
     def forward(self, X: torch.Tensor) -> torch.Tensor:  # [B, S, C, n]
-        te = _te()
-        n = self.n_streams
+        te, n = self._te, self.n_streams
         s, b, C = X.shape[0], X.shape[1], X.shape[2]
         H, ms = te.mhc_fused_projection(X.reshape(s * b, C * n), self.fn)
         h_pre, h_post, h_res = te.mhc_fused_scale(H, self.scale, self.base.view(1, -1), ms, n)
         comb = te.mhc_fused_sinkhorn(h_res.reshape(s, b, n, n), n, iters=self.sinkhorn_iters)
         U = te.mhc_fused_aggregate(X, h_pre.reshape(s, b, n), n)
         out = self.branch(U)
-        extra = {"n": n} if "n" in inspect.signature(te.mhc_fused_expand_combine).parameters else {}
-        return te.mhc_fused_expand_combine(out, None, h_post.reshape(s, b, n), X, comb, **extra)
+        return te.mhc_fused_expand_combine(out, None, h_post.reshape(s, b, n), X, comb, **self._combine_kwargs)
 
 
 def te_state_dict(state: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Tensor]:
