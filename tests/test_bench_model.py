@@ -142,3 +142,25 @@ def test_te_adapter_on_a_stand_in_computes_the_cakeops_model(monkeypatch):
     assert check["ok"] and "te_error" not in check, check
     # the same function up to the stand-in's gates without hc_eps: a wrong layout would be off by O(1)
     assert check["te_logits_rel_err"] < 1e-4
+
+
+def test_a_graph_break_is_retried_without_fullgraph_and_reported(monkeypatch):
+    real_build = bench_model.build
+
+    def build_with_a_break(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        forward = model.forward
+
+        def broken_forward(tokens):
+            torch._dynamo.graph_break()
+            return forward(tokens)
+
+        model.forward = broken_forward
+        return model
+
+    monkeypatch.setattr(bench_model, "build", build_with_a_break)
+    opts = bench_model._parser().parse_args(["--steps", "1", "--warmup", "0", "--backend", "eager", "--blocks", "1"])
+    cfg = model_zoo.Config(**dict(model_zoo.PRESETS["tiny"].as_dict(), blocks=1))
+    row = bench_model.run_variant(cfg, "plain", opts, torch.device("cpu"), torch.float32)
+    assert row["status"] == "ok" and row["fullgraph"] is False, row
+    assert "graph_break" in row and math.isfinite(row["loss"])

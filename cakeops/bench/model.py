@@ -182,6 +182,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         what = f"compiling with {opts.backend} (first forward + backward)" if opts.compile else "first step (eager)"
         _say(f"  {variant}: {what}")
         t0 = time.perf_counter()
+        loss = None
         try:
             with _heartbeat(variant):
                 loss = step()
@@ -190,6 +191,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
             if not (opts.compile and fullgraph) or isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
             row["graph_break"] = _first_line(exc)
+        if loss is None:  # retried outside the except block: its traceback no longer holds the first try's tensors
             _say(f"  {variant}: fullgraph=True failed ({row['graph_break']}); compiling again with graph breaks")
             fullgraph = False
             fn = compiled(False)
