@@ -413,8 +413,8 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
     header = [f"# cakeops model benchmark -- {env['device']}", "",
               f"{env['date']}, torch {env['torch']}, triton {env['triton']}, TransformerEngine: "
               f"{env['transformer_engine']}.",
-              f"Llama-like decoder (pre-norm {opts.norm} RMSNorm in every variant, causal SDPA attention without "
-              f"RoPE, SwiGLU MLP, vocab LM head, cross entropy on random tokens), {dtype_name}, mHC mappings FP32, "
+              f"Llama-like decoder (pre-norms and final norm {opts.norm}.nn.RMSNorm in every variant, causal SDPA "
+              f"attention without RoPE, SwiGLU MLP, LM head, cross entropy on random tokens), {dtype_name}, mHC mappings FP32, "
               f"{how}. One step = {step}; median of {opts.steps} steps after the compiling step and {opts.warmup} "
               "warm-up steps; peak = torch.cuda.max_memory_allocated over the timed steps. Overhead = "
               "(variant - plain) / plain. Host ms: until the host has queued a step's work (close to the step "
