@@ -501,7 +501,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     print(f"cakeops bench model on {env['device']}: torch {env['torch']}, triton {env['triton']}, "
           f"TransformerEngine: {env['transformer_engine']}; {dtype_name}; "
           + (f"torch.compile({opts.backend}, fullgraph=True{', mode=' + opts.mode if opts.mode else ''})"
-             if opts.compile else "eager"), flush=True)
+             if opts.compile else "eager")
+          + f"; norms {opts.norm}.nn.RMSNorm; a step = forward + backward{' + AdamW' if opts.optimizer else ''}",
+          flush=True)
     if not cuda:
         # One thread: the tiny model's matrices are too small to split, and more threads spin against any other
         # load on the machine (steps 10x slower, at random, on a shared 2-core host).
