@@ -7,7 +7,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m cakeops", description=__doc__)
     parser.add_argument("command", choices=["bench", "demo"],
-                        help="bench: time every op against its peers on this device; "
+                        help="bench: time every op against its peers on this device ('bench model': a decoder's "
+                             "training step, plain residual vs mHC); "
                              "demo: train a small mHC language model under torch.compile")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -1,10 +1,13 @@
-"""`python -m cakeops bench [--quick] [--ops rmsnorm,mhc] [--out DIR] [--no-peers]`.
+"""`python -m cakeops bench [--quick] [--ops rmsnorm,mhc] [--out DIR] [--no-peers]`; `python -m cakeops bench model ...`.
 
 On a CUDA device: times every selected case and its peers, prints the table and writes OUT/bench.md,
 OUT/bench.json and (with matplotlib) OUT/bench.png. Without one: checks every case at a tiny size on
 CPU against its fp64 oracle -- through the Triton interpreter when TRITON_INTERPRET=1 was set before
 triton was imported, else through the CPU (reference) path -- and writes OUT/check.md, OUT/check.json.
 Exits 1 when any op is outside its error tolerance.
+
+`python -m cakeops bench model [--preset c2048,c4096|issue] ...` (``bench/model.py``; its ``--help`` lists the
+flags): one training step of a Llama-like decoder, plain residual against the mHC variants.
 """
 import argparse
 import datetime
@@ -19,7 +22,9 @@ from . import core, plot, report
 
 
 def _parser(known: Sequence[str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cakeops bench", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m cakeops bench", description=__doc__.split("\n\n")[1],
+                                epilog="python -m cakeops bench model --help: the model benchmark (a decoder's "
+                                       "training step, plain residual vs mHC)")
     p.add_argument("--quick", action="store_true", help="only the first shape of each op")
     p.add_argument("--ops", default=",".join(known), help=f"comma-separated op families (default: {','.join(known)})")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for the reports (default bench_out)")
@@ -110,6 +115,10 @@ def _check(selected: List[core.Case], out: Path) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is not None and list(argv[:1]) == ["model"]:
+        from .model import main as model_main
+
+        return model_main(list(argv[1:]))
     core.load_families()
     known = core.families()
     parser = _parser(known)
