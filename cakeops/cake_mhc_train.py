@@ -128,7 +128,8 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     """The ``stats [T, 64]`` FP32 record alone, bitwise equal to forward_prepare's (checkpoint replay: the
     backward of a layer whose record was dropped).
 
-    Arguments as in cake_mhc_train_forward_prepare. ``stats_out``: optional FP32 ``[T, 64]`` contiguous buffer
+    Arguments as in cake_mhc_train_forward_prepare (X, fn, scale, base; rms_eps, hc_eps > 0 with defaults 1e-5,
+    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, 64]`` contiguous buffer
     (``out`` is cakeops' older name for it, still accepted; give one of the two). ``workspace``: as in
     forward_prepare (the same layout and helper).
 
@@ -384,8 +385,9 @@ def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 409
 
 def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sinkhorn_iters: Optional[int] = None,
                                       deterministic: bool = True) -> Tensor:
-    """A zero-filled uint8 backward workspace of ``cake_mhc_train_backward_workspace_bytes(...)`` bytes on
-    ``device``, reusable by every later backward call of at most T tokens.
+    """A zero-filled uint8 backward workspace of ``cake_mhc_train_backward_workspace_bytes(T, device,
+    hidden=hidden, sinkhorn_iters=sinkhorn_iters, deterministic=deterministic)`` bytes on ``device``, reusable by
+    every later backward call of at most T tokens.
 
     >>> cake_mhc_train_backward_workspace(5, "cpu", hidden=32).dtype
     torch.uint8
@@ -608,7 +610,7 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
 
 
 def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
-    """True where the layer ops run: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
+    """True where the layer ops run on ``device``: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
     ``hidden`` (C, optional): any int >= 1; ``n_streams`` (cakeops' extension): 4.
 
     >>> is_cake_mhc_train_supported("cpu", hidden=4096), is_cake_mhc_train_supported("cpu", hidden=0)

@@ -207,9 +207,9 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
 
 
 def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None) -> bool:
-    """True where the op runs: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer (the mHC
+    """True where the op runs on ``device`` (a torch.device or a string): CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer (the mHC
     projection feeds bf16 tiles to tensor cores, which Triton offers from Ampere on; the kernels are tested on
-    an H200, sm_90); any hidden size >= 1.
+    an H200, sm_90); ``hidden`` (optional): any hidden size >= 1.
 
     >>> is_cake_rmsnorm_train_supported("cpu", 4096), is_cake_rmsnorm_train_supported("cpu", 0)
     (True, False)
@@ -260,7 +260,8 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows: int, hidden: int, device: 
 def cake_rmsnorm_train_backward_workspace(rows: int, hidden: int, device: Union[str, torch.device], *,
                                           residual: bool = False) -> Tensor:
     """A zero-filled uint8 workspace of ``cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device)`` bytes
-    on ``device`` for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls.
+    on ``device`` for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of at most
+    ``rows`` rows of width ``hidden``; ``residual`` as in ..._bytes (no effect on the size).
 
     >>> cake_rmsnorm_train_backward_workspace(8, 64, "cpu").dtype
     torch.uint8
@@ -272,7 +273,8 @@ def cake_rmsnorm_train_backward_workspace(rows: int, hidden: int, device: Union[
 def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Union[str, torch.device],
                                        dtype: torch.dtype = torch.bfloat16) -> int:
     """FP32 elements of the workspace the deterministic backward uses (per-program dw partials) for x of
-    this dtype (cakeops' older helper; see cake_rmsnorm_train_backward_workspace_bytes).
+    this dtype (cakeops' older helper; see cake_rmsnorm_train_backward_workspace_bytes): ``num_tokens`` rows of
+    width ``hidden`` on ``device``, x of ``dtype`` (default bf16).
 
     >>> cake_rmsnorm_train_workspace_numel(8, 64, "cpu") % 64
     0
@@ -285,7 +287,8 @@ def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Uni
 def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int, device: Union[str, torch.device],
                                           dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """An FP32 workspace for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of these
-    sizes (cakeops' older helper; see cake_rmsnorm_train_backward_workspace).
+    sizes (cakeops' older helper; see cake_rmsnorm_train_backward_workspace): ``num_tokens`` rows of width
+    ``hidden`` on ``device``, x of ``dtype`` (default bf16).
 
     >>> cake_rmsnorm_train_allocate_workspace(8, 64, "cpu").dtype
     torch.float32
