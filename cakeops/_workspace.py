@@ -1,7 +1,7 @@
 """Caller-owned workspaces: a flat byte buffer that a launcher carves into the scratch tensors it would otherwise
 allocate per call (FlashInfer's ``workspace=`` arguments; what CUDA-graph capture and static-buffer users need).
 
-A workspace is any contiguous tensor on the op's device (FlashInfer hands out ``uint8``; cakeops' earlier FP32
+A workspace is a contiguous uint8 tensor on the op's device (as FlashInfer hands out; cakeops' earlier FP32
 RMSNorm workspaces still serve) whose bytes are reinterpreted; regions start at multiples of ``ALIGN`` bytes.
 """
 from typing import Sequence, Tuple
@@ -31,6 +31,9 @@ def as_bytes(name: str, workspace, device: torch.device) -> torch.Tensor:
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor (e.g. from the *_workspace() helper), "
                         f"got {type(workspace).__name__}")
+    if workspace.dtype not in (torch.uint8, torch.float32):
+        raise ValueError(f"{name}: expected a uint8 buffer (from the *_workspace() helper; FP32 also serves), got "
+                         f"{str(workspace.dtype).replace('torch.', '')}")
     if workspace.device != torch.device(device):
         raise ValueError(f"{name}: expected a tensor on {device} (the device of the op's inputs), got one on "
                          f"{workspace.device}")
