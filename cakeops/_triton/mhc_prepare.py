@@ -188,12 +188,12 @@ class PrepareConfig:
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
-        return self.resolve_for(X.shape[0], X.shape[2], X.device)
+        return self.resolve_for(X.shape[0], X.shape[2], X.device, X.is_cuda)
 
-    def resolve_for(self, T: int, C: int, device: torch.device) -> "PrepareConfig":
+    def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None) -> "PrepareConfig":
         """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
         block_c = max(16, min(64, next_power_of_2(C)))
-        if device.type != "cuda":
+        if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
