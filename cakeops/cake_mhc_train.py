@@ -15,6 +15,12 @@ in place, other layouts are copied once (by the ``*_impl`` entry, eager and comp
 (``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True``
 (and ``dX`` of the head backward) which are added into. Under torch.compile the stats are always kept for
 the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
+Workspaces (``workspace=``, ``backward_workspace=``, ``cake_mhc_train_*_workspace[_bytes]``): FlashInfer's
+signatures; the layouts are cakeops' own (docs/design.md §2), sized for every token count up to T, zero-filled
+uint8 like FlashInfer's though the kernels need no zeroing; unused by the CPU reference and under torch.compile.
+cakeops' extensions to FlashInfer's signatures are keyword arguments only (``deterministic``, and
+``sinkhorn_iters`` / ``deterministic`` of the backward workspace size); ``forward_stats`` still takes its
+older ``out=`` for ``stats_out=``.
 """
 import functools
 from typing import Optional, Tuple
