@@ -20,14 +20,16 @@ def streams(name: str, X, leading_dims: bool = False) -> Tensor:
     return X
 
 
-def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X", per_token: bool = True) -> Tensor:
+def like(name: str, t, X: Tensor, shape, dtypes=None, x_name: str = "X", per_token: bool = True,
+         hint: str = "") -> Tensor:
     """A tensor that must sit beside X: its device, the given shape, and X's dtype unless dtypes is given.
-    ``per_token``: its first dim is X's tokens (a parameter's is not), so a mismatch there is said in tokens."""
+    ``per_token``: its first dim is X's tokens (a parameter's is not), so a mismatch there is said in tokens.
+    ``hint``: appended to a shape mismatch's message (what the shape means, what to do)."""
     _checks.tensor(name, t, dtypes=dtypes if dtypes is not None else (X.dtype,))
     if tuple(t.shape) != tuple(shape):
         if per_token and t.dim() >= 1 and t.shape[0] != shape[0] and tuple(t.shape[1:]) == tuple(shape[1:]):
-            raise ValueError(f"{name}: expected {shape[0]} tokens (as {x_name}), got {t.shape[0]}")
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+            raise ValueError(f"{name}: expected {shape[0]} tokens (as {x_name}), got {t.shape[0]}{hint}")
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}{hint}")
     _checks.same_device(name, t, x_name, X)
     return t
 
@@ -36,9 +38,14 @@ def mapping(X: Tensor, fn, scale, base) -> None:
     """fn, scale, base in any float dtype: FP32 as initialised, bf16/fp16 after ``model.to(dtype)`` or under an
     FSDP2 mixed-precision policy. The math is FP32 either way; gradients come back in each parameter's dtype."""
     T, n, C = X.shape
-    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES, per_token=False)
-    like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES, per_token=False)
-    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES, per_token=False)
+    logits = f"{M} = 2n + n*n mapping logits for n = {n} streams"
+    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES, per_token=False,
+         hint=f": one row per logit ({logits}) and one column per element of a token's streams (n*C = {n}*{C}, "
+              f"C = X.shape[-1]); was the mapping made for another hidden size?")
+    like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES, per_token=False,
+         hint=": one scale per group of logits (pre, post, res)")
+    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES, per_token=False,
+         hint=f": one offset per logit ({logits})")
 
 
 def hparams(rms_eps, hc_eps, sinkhorn_iters) -> tuple:

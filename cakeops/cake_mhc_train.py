@@ -15,7 +15,14 @@ in place, other layouts are copied once (by the ``*_impl`` entry, eager and comp
 (``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True``
 (and ``dX`` of the head backward) which are added into. Under torch.compile the stats are always kept for
 the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
+Workspaces (``workspace=``, ``backward_workspace=``, ``cake_mhc_train_*_workspace[_bytes]``): FlashInfer's
+signatures; the layouts are cakeops' own (docs/design.md §2), sized for every token count up to T, zero-filled
+uint8 like FlashInfer's though the kernels need no zeroing; unused by the CPU reference and under torch.compile.
+cakeops' extensions to FlashInfer's signatures are keyword arguments only (``deterministic``, and
+``sinkhorn_iters`` / ``deterministic`` of the backward workspace size); ``forward_stats`` still takes its
+older ``out=`` for ``stats_out=``.
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -37,9 +44,10 @@ __all__ = [
     "cake_mhc_train_head_forward", "cake_mhc_train_head_backward", "cake_mhc_train_backward_prepare",
     "cake_mhc_train_backward_finish", "cake_mhc_train_prepare", "cake_mhc_train_finish", "cake_mhc_train_head",
     "CakeMHCTrainPrepareFunction", "CakeMHCTrainFinishFunction", "CakeMHCTrainHeadFunction", "MHCTrainHandle",
-    "is_cake_mhc_train_supported",
     "cake_mhc_train_gated_head_forward", "cake_mhc_train_gated_head_backward", "cake_mhc_train_gated_head",
     "CakeMHCTrainGatedHeadFunction",
+    "is_cake_mhc_train_supported", "is_cake_mhc_train_head_supported", "cake_mhc_train_forward_workspace_bytes",
+    "cake_mhc_train_forward_workspace", "cake_mhc_train_backward_workspace_bytes", "cake_mhc_train_backward_workspace",
 ]
 
 
@@ -52,30 +60,129 @@ def _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters):
 # ---------------------------------------------------------------------------------------------
 # FlashInfer-style functions
 # ---------------------------------------------------------------------------------------------
+def _workspace_for(name: str, workspace, X: Tensor, need, helper: str) -> Optional[Tensor]:
+    """The caller's workspace as checked uint8 bytes. Its size is checked where the kernels run (the reference
+    math, CPU tensors without the interpreter, leaves it unused); ``need()`` gives the bytes this call carves."""
+    if workspace is None:
+        return None
+    from . import _backend, _workspace
+
+    ws = _workspace.as_bytes(name, workspace, X.device)
+    if _backend.use_triton(X):
+        _workspace.check_size(name, ws, need(), helper)
+    return ws
+
+
+_FWD_HELPER = "cake_mhc_train_forward_workspace(T, device, hidden=C)"
+_BWD_HELPER = "cake_mhc_train_backward_workspace(T, device, hidden=C)"
+
+
+def _forward_need(X: Tensor):
+    def forward() -> int:
+        from ._triton.mhc_prepare import workspace_bytes
+        return workspace_bytes(X)
+    return forward
+
+
+def _backward_need(X: Tensor, sinkhorn_iters: int, deterministic: bool):
+    def backward() -> int:
+        from ._triton.mhc_backward import backward_finish_workspace_numel
+        return 4 * backward_finish_workspace_numel(X.shape[0], X.shape[2], sinkhorn_iters, X.device, deterministic)
+    return backward
+
 
 def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                                    hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out: Optional[Tensor] = None,
-                                   stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``(U [T, C] in X.dtype, stats [T, 64] FP32)``: coefficients of every token and the collapse U."""
+                                   stats_out: Optional[Tensor] = None,
+                                   workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Forward of one mHC layer up to the branch: ``(U, stats)`` (no autograd; see cake_mhc_train_prepare).
+
+    Per token, ``x = X[t]`` flattened (``4C``) is RMS-normalized and projected by ``fn`` to 24 logits, which give
+    the pre gates, the post gates and, through ``sinkhorn_iters`` Sinkhorn steps, the 4 x 4 mixing matrix.
+    ``U[t] = sum_i pre_i * X[t, i]`` is the branch's input.
+
+    Args:
+        X: ``[T, 4, C]`` residual streams, bf16 / fp16 / fp32, any C >= 1, unit stride along C (other layouts
+            are copied once). T == 0 gives empty outputs.
+        fn: ``[24, 4C]`` mapping (column ``i*C + c`` reads ``X[t, i, c]``); scale: ``[3]`` (pre, post, res
+            group scales); base: ``[24]`` logit offsets. Any float dtype; the math is FP32.
+        rms_eps, hc_eps: finite floats > 0 (defaults 1e-5, 1e-6). sinkhorn_iters: 1..64 (default 20; more
+            raises NotImplementedError).
+        out: optional ``[T, C]`` buffer in X's dtype for U; stats_out: optional FP32 ``[T, 64]`` for stats
+            (contiguous, overwritten, returned).
+        workspace: optional caller-owned scratch (``cake_mhc_train_forward_workspace``): with it and the output
+            buffers the call allocates nothing (CUDA-graph capture, static buffers). Unused by the CPU reference.
+
+    Returns:
+        ``U [T, C]`` in X's dtype and ``stats [T, 64]`` FP32 (the record finish and the backward read: pre,
+        post, comb, rstd, mix; layout in ``cakeops.meta.mhc_layout``).
+
+    >>> T, C = 5, 32
+    >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    >>> U.shape, U.dtype, stats.shape, stats.dtype
+    (torch.Size([5, 32]), torch.bfloat16, torch.Size([5, 64]), torch.float32)
+    """
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.STATS_WIDTH), dtype=torch.float32,
                            device=X.device)
-    return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out)
+    ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
+    return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out, workspace=ws)
 
 
 def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
-                                 hc_eps: float = 1e-6, sinkhorn_iters: int = 20,
-                                 out: Optional[Tensor] = None) -> Tensor:
-    """``stats`` alone, bitwise equal to forward_prepare's (checkpoint replay)."""
+                                 hc_eps: float = 1e-6, sinkhorn_iters: int = 20, stats_out: Optional[Tensor] = None,
+                                 workspace: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+    """The ``stats [T, 64]`` FP32 record alone, bitwise equal to forward_prepare's (checkpoint replay: the
+    backward of a layer whose record was dropped).
+
+    Arguments as in cake_mhc_train_forward_prepare (X, fn, scale, base; rms_eps, hc_eps > 0 with defaults 1e-5,
+    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, 64]`` contiguous buffer
+    (``out`` is cakeops' older name for it, still accepted; give one of the two). ``workspace``: as in
+    forward_prepare (the same layout and helper).
+
+    >>> T, C = 5, 32
+    >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> stats = cake_mhc_train_forward_stats(X, fn, scale, base)
+    >>> torch.equal(stats, cake_mhc_train_forward_prepare(X, fn, scale, base)[1])
+    True
+    """
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
-    out = out_tensor("out", out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
-    return ops.prepare_impl(X, fn, scale, base, *hp, stats=out, write_U=False)[1]
+    if out is not None:
+        if stats_out is not None:
+            raise ValueError("out: an older name of stats_out; give stats_out only")
+        stats_out, name = out, "out"
+    else:
+        name = "stats_out"
+    stats_out = out_tensor(name, stats_out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32,
+                           device=X.device)
+    ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
+    return ops.prepare_impl(X, fn, scale, base, *hp, stats=stats_out, write_U=False, workspace=ws)[1]
 
 
 def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
-    """``Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c])``."""
+    """The layer output ``Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c])``.
+
+    Args:
+        X: ``[T, 4, C]`` streams as given to forward_prepare; B: ``[T, C]`` the branch's output (any float
+            dtype); stats: FP32 ``[T, 64]`` from forward_prepare / forward_stats.
+        out: optional contiguous ``[T, 4, C]`` buffer in X's dtype.
+
+    Returns:
+        ``Y [T, 4, C]`` in X's dtype (FP32 inside, rounded once).
+
+    >>> T, C = 5, 32
+    >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    >>> Y = cake_mhc_train_forward_finish(X, torch.tanh(U), stats)
+    >>> Y.shape, Y.dtype
+    (torch.Size([5, 4, 32]), torch.bfloat16)
+    """
     args.streams("X", X)
     T, n, C = X.shape
     args.like("B", B, X, (T, C))
@@ -85,7 +192,16 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
 
 
 def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
-    """``Y[t, c] = round((sum_i X[t, i, c]) / n)``, summed in stream order: for n = 4, bit for bit X.mean(1)."""
+    """The model's final collapse ``Y[t, c] = round((sum_i X[t, i, c]) / 4)``, summed in stream order from zero:
+    bit for bit ``X.mean(1)`` on a GPU.
+
+    X: ``[T, 4, C]`` bf16 / fp16 / fp32; out: optional contiguous ``[T, C]`` buffer in X's dtype.
+    Returns ``Y [T, C]`` in X's dtype.
+
+    >>> X = torch.randn(5, 4, 32)
+    >>> torch.allclose(cake_mhc_train_head_forward(X), X.mean(1))
+    True
+    """
     args.streams("X", X)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
@@ -93,7 +209,15 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
 
 
 def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
-    """``dX[t, i, c] = round(dY[t, c] / n)``; with ``accumulate=True`` added into the given dX."""
+    """The head's gradient ``dX[t, i, c] = round(dY[t, c] / 4)`` for each of the 4 streams.
+
+    dY: ``[T, C]`` bf16 / fp16 / fp32. dX: optional contiguous ``[T, 4, C]`` buffer in dY's dtype, overwritten,
+    or with ``accumulate=True`` (default False) added into (then required). Returns dX.
+
+    >>> dX = cake_mhc_train_head_backward(torch.ones(5, 32))
+    >>> dX.shape, dX[0, 0, 0].item()
+    (torch.Size([5, 4, 32]), 0.25)
+    """
     tensor("dY", dY, dtypes=FLOAT_DTYPES, ndim=2)
     args.flag("accumulate", accumulate)
     T, C = dY.shape
@@ -105,7 +229,26 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
                                     grad_stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """The finish node's backward: ``(dB [T, C], grad_stats [T, 32] FP32 = dpost | dcomb | 0)``."""
+    """The finish node's backward, before the branch's: ``(dB, grad_stats)``.
+
+    ``dB[t, c] = round(sum_j post_j * dY[t, j, c])`` is the gradient to send into the branch's backward;
+    ``grad_stats [T, 32]`` FP32 = ``dpost[4] | dcomb[16] | zeros`` (``dpost_j = sum_c dY[t,j,c]*B[t,c]``,
+    ``dcomb_ij = sum_c X[t,i,c]*dY[t,j,c]``) is what backward_finish needs. No cross-token sum: deterministic.
+
+    Args:
+        dY: ``[T, 4, C]`` gradient of Y in X's dtype; B: ``[T, C]`` the branch output of the forward;
+        X: ``[T, 4, C]`` the forward's streams; stats: FP32 ``[T, 64]`` of the forward.
+        dB: optional contiguous ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, 32]``.
+
+    >>> T, C = 5, 32
+    >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    >>> dY = torch.randn_like(X)
+    >>> dB, grad_stats = cake_mhc_train_backward_prepare(dY, torch.tanh(U), X, stats)
+    >>> dB.shape, grad_stats.shape
+    (torch.Size([5, 32]), torch.Size([5, 32]))
+    """
     args.streams("X", X)
     T, n, C = X.shape
     args.like("dY", dY, X, X.shape)
@@ -124,12 +267,42 @@ def _check_branch_output(name: str, B, X: Tensor) -> None:
 
 def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optional[Tensor], fn: Tensor, scale: Tensor,
                                    base: Tensor, stats: Tensor, grad_stats: Tensor, *, rms_eps: float = 1e-5,
-                                   hc_eps: float = 1e-6, sinkhorn_iters: int = 20, deterministic: bool = True,
-                                   accumulate: bool = False, dX: Optional[Tensor] = None,
+                                   hc_eps: float = 1e-6, sinkhorn_iters: int = 20, accumulate: bool = False,
+                                   workspace: Optional[Tensor] = None, dX: Optional[Tensor] = None,
                                    dfn: Optional[Tensor] = None, dscale: Optional[Tensor] = None,
-                                   dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The prepare node's backward: ``(dX, dfn, dscale, dbase)``; dX written once (single cast), the parameter
-    gradients FP32 (added into the given ones with ``accumulate=True``). ``B`` is accepted for symmetry, unread."""
+                                   dbase: Optional[Tensor] = None,
+                                   deterministic: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The prepare node's backward, after the branch produced ``dU``: ``(dX, dfn, dscale, dbase)``.
+
+    dX sums the collapse, residual-mixing and mapping contributions in FP32 and is rounded once (X's whole
+    gradient for this layer); the parameter gradients are FP32 sums over the tokens, through the exact unrolled
+    Sinkhorn.
+
+    Args:
+        X, dY: ``[T, 4, C]`` the forward's streams and Y's gradient; dU: ``[T, C]`` U's gradient from the
+            branch's backward (X's dtype); B: the branch output ``[T, C]`` or None (checked when given, not read).
+        fn, scale, base, rms_eps, hc_eps, sinkhorn_iters: those of the forward.
+        stats: FP32 ``[T, 64]`` of the forward (saved, or recomputed by forward_stats: same bits);
+        grad_stats: FP32 ``[T, 32]`` from backward_prepare.
+        accumulate: add into the given dfn, dscale, dbase (all three required) instead of overwriting them.
+        workspace: optional caller-owned scratch (``cake_mhc_train_backward_workspace``); with it and dX, dfn,
+            dscale, dbase given, the call allocates nothing. Unused by the CPU reference.
+        dX: optional contiguous ``[T, 4, C]`` in X's dtype; dfn ``[24, 4C]``, dscale ``[3]``, dbase ``[24]``:
+            optional contiguous FP32 buffers.
+        deterministic: (cakeops' extension, default True) fixed-order sums over the tokens, bitwise
+            reproducible; False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
+
+    >>> T, C = 5, 32
+    >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
+    >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
+    >>> U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base)
+    >>> B, dY = torch.tanh(U), torch.randn_like(X)
+    >>> dB, grad_stats = cake_mhc_train_backward_prepare(dY, B, X, stats)
+    >>> dU = dB * (1 - B.float() ** 2).to(B.dtype)                  # the branch's backward (tanh)
+    >>> dX, dfn, dscale, dbase = cake_mhc_train_backward_finish(X, dY, dU, B, fn, scale, base, stats, grad_stats)
+    >>> dX.shape, dX.dtype, dfn.shape, dscale.shape, dbase.shape
+    (torch.Size([5, 4, 32]), torch.bfloat16, torch.Size([24, 128]), torch.Size([3]), torch.Size([24]))
+    """
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     T, n, C = X.shape
     args.like("dY", dY, X, X.shape)
@@ -146,9 +319,93 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     dbase = out_tensor("dbase", dbase, shape=base.shape, dtype=torch.float32, device=X.device)
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into")
+    ws = _workspace_for("workspace", workspace, X, _backward_need(X, hp[2], deterministic), _BWD_HELPER)
     return ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, *hp,
                                     deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
-                                    dscale=dscale, dbase=dbase)
+                                    dscale=dscale, dbase=dbase, workspace=ws)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspaces and support queries
+# ---------------------------------------------------------------------------------------------
+
+def _size_args(T, device, hidden) -> torch.device:
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+        raise ValueError(f"T: expected the largest token count the buffer serves, an int >= 0, got {T!r}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"hidden: expected the hidden size C (X.shape[-1]), an int >= 1, got {hidden!r}")
+    return torch.device(device)
+
+
+def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096) -> int:
+    """Bytes of the caller-owned forward workspace (forward_prepare, forward_stats, cake_mhc_train_prepare's
+    ``workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` (X.shape[-1]) on
+    ``device``, any dtype of X. T == 0 needs none (0).
+
+    Layout (regions at 256-byte offsets): the bf16 hi / lo pieces of fn ``[2, 24, 4*hidden]`` (the projection
+    feeds them to tensor cores; used for bf16 X), then the projection's FP32 partials ``[slices, T, 32]``
+    (``slices``: column slices per token block, 1 to 8, more when T is small next to the GPU). About
+    ``384*hidden + 128*T*slices`` bytes. The kernels write before they read: no zeroing needed.
+
+    >>> cake_mhc_train_forward_workspace_bytes(1024, "cpu", hidden=4096) > 0
+    True
+    """
+    from ._triton.mhc_prepare import workspace_bytes_max
+
+    return workspace_bytes_max(T, layout.N_STREAMS, hidden, _size_args(T, device, hidden))
+
+
+def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096) -> Tensor:
+    """A zero-filled uint8 forward workspace of ``cake_mhc_train_forward_workspace_bytes(T, device,
+    hidden=hidden)`` bytes on ``device``: reusable by every later forward call of at most T tokens.
+
+    >>> ws = cake_mhc_train_forward_workspace(5, "cpu", hidden=32)
+    >>> X = torch.randn(5, 4, 32, dtype=torch.bfloat16)
+    >>> U, stats = cake_mhc_train_forward_prepare(X, torch.zeros(24, 128), torch.ones(3), torch.zeros(24),
+    ...                                           workspace=ws)
+    >>> ws.dtype, U.shape
+    (torch.uint8, torch.Size([5, 32]))
+    """
+    return torch.zeros(cake_mhc_train_forward_workspace_bytes(T, device, hidden=hidden), dtype=torch.uint8,
+                       device=device)
+
+
+def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 4096,
+                                            sinkhorn_iters: Optional[int] = None, deterministic: bool = True) -> int:
+    """Bytes of the caller-owned backward workspace (backward_finish's ``workspace``, cake_mhc_train_prepare's
+    ``backward_workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` on ``device``.
+
+    Layout (FP32, one region after the other): per-token ``dz`` rows ``[T, 32]`` | the dlogits kernel's
+    per-program dscale/dbase partials ``[P, 64]`` | its Sinkhorn scratch ``[P, 2*iters - 1, 8, 16]`` (P
+    persistent programs, at most 64 MiB in all) | the dfn partials ``[splits, 24, 4*hidden]`` (deterministic
+    only) | the dpre partials ``[slices, T, 4]``. cakeops' extensions (keywords FlashInfer lacks):
+    ``sinkhorn_iters`` (None: sized for every count 1..64; give the count to size it for that count alone) and
+    ``deterministic`` (False needs no dfn partials; a deterministic workspace serves both).
+
+    >>> cake_mhc_train_backward_workspace_bytes(1024, "cpu", hidden=4096) > 0
+    True
+    """
+    from ._triton.mhc_backward_finish import backward_finish_workspace_bytes_max
+
+    device = _size_args(T, device, hidden)
+    if sinkhorn_iters is not None:
+        args.hparams(1.0, 1.0, sinkhorn_iters)
+    args.flag("deterministic", deterministic)
+    return backward_finish_workspace_bytes_max(T, hidden, device, deterministic, sinkhorn_iters)
+
+
+def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sinkhorn_iters: Optional[int] = None,
+                                      deterministic: bool = True) -> Tensor:
+    """A zero-filled uint8 backward workspace of ``cake_mhc_train_backward_workspace_bytes(T, device,
+    hidden=hidden, sinkhorn_iters=sinkhorn_iters, deterministic=deterministic)`` bytes on ``device``, reusable by
+    every later backward call of at most T tokens.
+
+    >>> cake_mhc_train_backward_workspace(5, "cpu", hidden=32).dtype
+    torch.uint8
+    """
+    return torch.zeros(cake_mhc_train_backward_workspace_bytes(T, device, hidden=hidden, sinkhorn_iters=sinkhorn_iters,
+                                                               deterministic=deterministic),
+                       dtype=torch.uint8, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,15 +416,25 @@ class _LayerState:
     """What one prepare shares with its finish: the mapping, hyper-parameters and, between the two forwards
     (and from the finish's backward to the prepare's, when stats are recomputed), the stats record."""
 
-    def __init__(self, fn, scale, base, hparams, save_stats, deterministic):
+    def __init__(self, fn, scale, base, hparams, save_stats, deterministic, workspace=None,
+                 backward_workspace=None):
         self.fn, self.scale, self.base = fn, scale, base
         self.hparams = hparams
         self.save_stats = save_stats
         self.deterministic = deterministic
         self.stats = None
+        self.workspace = workspace  # caller-owned scratch (uint8, checked), or None: allocated per call
+        self.backward_workspace = backward_workspace
 
     def recompute_stats(self, X: Tensor) -> Tensor:
-        return ops.prepare_impl(X, self.fn, self.scale, self.base, *self.hparams, write_U=False)[1]
+        return ops.prepare_impl(X, self.fn, self.scale, self.base, *self.hparams, write_U=False,
+                                workspace=self.workspace)[1]
+
+    def backward_finish(self):
+        """backward_finish_impl, writing its scratch into the caller's backward workspace when one was given."""
+        if self.backward_workspace is None:
+            return ops.backward_finish_impl
+        return functools.partial(ops.backward_finish_impl, workspace=self.backward_workspace)
 
 
 class CakeMHCTrainPrepareFunction(torch.autograd.Function):
@@ -180,7 +447,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, X, fn, scale, base, state: _LayerState):
         X = unit_last(X)
-        U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams)
+        U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams, workspace=state.workspace)
         state.stats = stats
         ctx.state = state
         ctx.save_for_backward(X, fn, scale, base, *((stats,) if state.save_stats else ()))
@@ -199,7 +466,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
         else:  # recomputed by the finish node's backward, else here
             stats = state.stats if state.stats is not None else state.recompute_stats(X)
             state.stats = None
-        return ops.prepare_backward(ops.backward_finish_impl, X, fn, scale, base, stats, dU, dY, grad_stats,
+        return ops.prepare_backward(state.backward_finish(), X, fn, scale, base, stats, dU, dY, grad_stats,
                                     state.hparams, state.deterministic) + (None,)
 
 
@@ -264,14 +531,19 @@ class MHCTrainHandle:
 
 def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                            hc_eps: float = 1e-6, sinkhorn_iters: int = 20, save_stats: bool = True,
+                           workspace: Optional[Tensor] = None, backward_workspace: Optional[Tensor] = None,
                            deterministic: bool = True) -> Tuple[Tensor, MHCTrainHandle]:
-    """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs.
+    """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs (autograd).
 
     X: the residual streams ``[..., n, C]`` (any leading dims, e.g. ``[batch, seq, 4, C]``), bf16, fp16 or fp32,
     n = 4. fn ``[24, 4*C]``, scale ``[3]``, base ``[24]``: the mapping, in any float dtype (the math is FP32).
-    rms_eps, hc_eps: finite floats > 0; sinkhorn_iters: 1..64. U is ``[..., C]`` in X's dtype.
-    ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits);
-    ``deterministic=False`` sums the parameter gradients with atomics.
+    rms_eps, hc_eps: finite floats > 0 (defaults 1e-5, 1e-6); sinkhorn_iters: 1..64 (default 20). U is
+    ``[..., C]`` in X's dtype. ``save_stats=False`` keeps only X for the backward and recomputes the stats there
+    (same bits). ``workspace`` / ``backward_workspace``: optional caller-owned scratch of the forward (and of a
+    stats recompute) and of the backward (``cake_mhc_train_forward_workspace`` /
+    ``cake_mhc_train_backward_workspace``), kept by the layer until its backward ran; checked here, unused by
+    the CPU reference, and under torch.compile (Inductor plans memory there). ``deterministic`` (cakeops'
+    extension, default True): False sums the parameter gradients with atomics.
 
     >>> C = 32
     >>> X = torch.randn(2, 5, 4, C, requires_grad=True)
@@ -290,7 +562,13 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
         U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
         handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     else:
-        state = _LayerState(fn, scale, base, hp, save_stats, deterministic)
+        ws = bws = None
+        if workspace is not None:
+            ws = _workspace_for("workspace", workspace, X3, _forward_need(X3), _FWD_HELPER)
+        if backward_workspace is not None:
+            bws = _workspace_for("backward_workspace", backward_workspace, X3,
+                                 _backward_need(X3, hp[2], deterministic), _BWD_HELPER)
+        state = _LayerState(fn, scale, base, hp, save_stats, deterministic, ws, bws)
         U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X3, fn, scale, base, state)
         handle = MHCTrainHandle(X, (e_dy, e_gs), state=state)
     return (U if X.dim() == 3 else U.view(*X.shape[:-2], X.shape[-1])), handle
@@ -298,7 +576,17 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
 
 def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tensor:
     """``Y = post * B + comb^T X`` with autograd; ``handle`` from the prepare of this same X, used once.
-    X [..., n, C] and B [..., C] with the same leading dims; Y has X's shape (and is no view)."""
+
+    X ``[..., 4, C]`` (the very tensor given to cake_mhc_train_prepare) and B ``[..., C]`` (the branch's output,
+    any float dtype) with the same leading dims; Y has X's shape and dtype (and is no view). Its backward
+    returns dB to the branch and no gradient for X: X's whole gradient is written once by the prepare node.
+
+    >>> X = torch.randn(5, 4, 32, requires_grad=True)
+    >>> U, handle = cake_mhc_train_prepare(X, torch.zeros(24, 128), torch.ones(3), torch.zeros(24))
+    >>> Y = cake_mhc_train_finish(X, 2 * U, handle)
+    >>> Y.sum().backward(); X.grad.shape
+    torch.Size([5, 4, 32])
+    """
     if not isinstance(handle, MHCTrainHandle):
         raise TypeError(f"handle: expected the MHCTrainHandle returned by cake_mhc_train_prepare, "
                         f"got {type(handle).__name__}")
@@ -318,7 +606,14 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
 
 
 def cake_mhc_train_head(X: Tensor) -> Tensor:
-    """The model's final collapse of the streams, with autograd: [..., n, C] -> [..., C]."""
+    """The model's final collapse of the streams, with autograd: ``[..., 4, C] -> [..., C]``, the mean over the
+    streams (bit for bit ``X.mean(-2)`` on a GPU); bf16 / fp16 / fp32. Its backward saves no tensor.
+
+    >>> X = torch.randn(2, 5, 4, 32, requires_grad=True)
+    >>> Y = cake_mhc_train_head(X)
+    >>> Y.shape, torch.allclose(Y, X.mean(-2))
+    (torch.Size([2, 5, 32]), True)
+    """
     args.streams("X", X, leading_dims=True)
     if torch.compiler.is_compiling() or any_dtensor(X=X):
         return torch.ops.cakeops.mhc_head_fwd(X)
@@ -326,7 +621,12 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
 
 
 def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
-    """True where the ops run: CPU (reference math) and CUDA GPUs Triton supports; n = 4, any C >= 1."""
+    """True where the layer ops run on ``device``: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
+    ``hidden`` (C, optional): any int >= 1; ``n_streams`` (cakeops' extension): 4.
+
+    >>> is_cake_mhc_train_supported("cpu", hidden=4096), is_cake_mhc_train_supported("cpu", hidden=0)
+    (True, False)
+    """
     from .cake_rmsnorm_train import is_cake_rmsnorm_train_supported
     return n_streams == layout.N_STREAMS and is_cake_rmsnorm_train_supported(device, hidden)
 
@@ -461,3 +761,13 @@ def cake_mhc_train_gated_head(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor
     if torch.compiler.is_compiling() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
         return torch.ops.cakeops.mhc_gated_head_fwd(X, fn, scale, base, *hp, deterministic)[0]
     return CakeMHCTrainGatedHeadFunction.apply(X, fn, scale, base, *hp, deterministic)
+
+
+def is_cake_mhc_train_head_supported(device, hidden: Optional[int] = None) -> bool:
+    """True where the head (cake_mhc_train_head_forward / _backward / cake_mhc_train_head) runs: the devices of
+    is_cake_mhc_train_supported, any hidden size >= 1.
+
+    >>> is_cake_mhc_train_head_supported("cpu", hidden=5120)
+    True
+    """
+    return is_cake_mhc_train_supported(device, hidden)

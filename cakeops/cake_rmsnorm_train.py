@@ -21,7 +21,9 @@ from ._ops.rmsnorm import rows as _rows
 
 __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
-    "is_cake_rmsnorm_train_supported", "cake_rmsnorm_train_workspace_numel", "cake_rmsnorm_train_allocate_workspace",
+    "is_cake_rmsnorm_train_supported", "cake_rmsnorm_train_backward_workspace_bytes",
+    "cake_rmsnorm_train_backward_workspace", "cake_rmsnorm_train_workspace_numel",
+    "cake_rmsnorm_train_allocate_workspace",
 ]
 
 
@@ -51,7 +53,30 @@ def _check_flags(deterministic) -> None:
 def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Optional[Tensor] = None,
                                out: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
                                residual_out: Optional[Tensor] = None):
-    """Returns ``(y, rstd)``, or ``(y, rstd, h_new)`` when ``residual`` is given."""
+    """Fused RMSNorm forward (no autograd): ``(y, rstd)``, or ``(y, rstd, h_new)`` when ``residual`` is given.
+
+    Args:
+        x: ``[T, H]`` or ``[..., H]``, bf16 / fp16 / fp32, any H >= 1 (row-strided 2-D views are read in place;
+            other layouts are copied once). With ``residual`` it is the residual stream h.
+        w: ``[H]`` weight, x's dtype or FP32 (any float dtype; the math is FP32).
+        eps: a finite float > 0 (FlashInfer's is positional and has no default; 1e-6 is common).
+        residual: optional update of x's shape and dtype: ``h_new = round(x + residual)`` is normalized and
+            returned (fused add).
+        out, rstd, residual_out: optional contiguous buffers for y (x's shape and dtype), rstd (FP32, x's
+            leading shape ``x.shape[:-1]``) and h_new; overwritten and returned as given.
+
+    Returns:
+        ``y = round((h * rstd) * w)`` in x's dtype, ``rstd = 1/sqrt(mean(h^2) + eps)`` FP32 ``x.shape[:-1]``,
+        and h_new in residual mode.
+
+    >>> x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.ones(64)
+    >>> y, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
+    >>> y.shape, y.dtype, rstd.shape, rstd.dtype
+    (torch.Size([4, 64]), torch.bfloat16, torch.Size([4]), torch.float32)
+    >>> y, rstd, h_new = cake_rmsnorm_train_forward(x, w, 1e-6, residual=torch.zeros_like(x))
+    >>> torch.equal(h_new, x)
+    True
+    """
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
     if residual is not None:
@@ -78,8 +103,31 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
 def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *, deterministic: bool = True,
                                 g_residual: Optional[Tensor] = None, workspace: Optional[Tensor] = None,
                                 dx: Optional[Tensor] = None, dw: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """Returns ``(dx, dw)``: dx in x.dtype (g_residual folded in), dw FP32. In residual mode pass h_new as x;
-    dx is then the gradient of both x and residual."""
+    """Fused RMSNorm backward: ``(dx, dw)``.
+
+    ``dx = round(rstd*g*w - h*rstd^3*mean(g*w*h) [+ g_residual])`` (one rounding) in x's dtype and
+    ``dw = sum_t g*h*rstd`` FP32.
+
+    Args:
+        g: y's gradient, x's shape and dtype. x: the tensor that was normalized (x of the plain forward, h_new
+            of the residual forward; then dx is the gradient of both x and residual). w: ``[H]`` as in the
+            forward. rstd: FP32 from the forward, ``x.shape[:-1]`` or flattened ``[T]``.
+        deterministic: True (default) sums dw in a fixed order, bitwise reproducible for a given T and device;
+            False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
+        g_residual: optional gradient reaching h_new directly (residual mode), x's shape; added into dx.
+        workspace: optional caller-owned scratch for the deterministic dw partials, from
+            ``cake_rmsnorm_train_backward_workspace`` (uint8; an FP32 buffer of
+            ``cake_rmsnorm_train_workspace_numel`` elements serves too). With it and dx, dw given, the call
+            allocates nothing. Unused by the CPU reference.
+        dx: optional contiguous buffer (x's shape and dtype); dw: optional contiguous FP32 ``[H]``; overwritten.
+
+    >>> x, w = torch.randn(4, 64), torch.ones(64)
+    >>> y, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
+    >>> ws = cake_rmsnorm_train_backward_workspace(4, 64, "cpu")
+    >>> dx, dw = cake_rmsnorm_train_backward(torch.randn_like(y), x, w, rstd, workspace=ws)
+    >>> dx.shape, dw.shape, dw.dtype
+    (torch.Size([4, 64]), torch.Size([64]), torch.float32)
+    """
     _check_x_w(x, w)
     _check_like("g", g, x)
     _checks.tensor("rstd", rstd, dtypes=(torch.float32,))
@@ -91,9 +139,7 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
         _check_like("g_residual", g_residual, x)
     _check_flags(deterministic)
     if workspace is not None:
-        _checks.tensor("workspace", workspace, dtypes=(torch.float32,), device=x.device)
-        if not workspace.is_contiguous():
-            raise ValueError("workspace: expected a contiguous tensor")
+        workspace = _workspace_for_backward(workspace, x)
     dx = _checks.out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
     dw = _checks.out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
     H = x.shape[-1]
@@ -161,9 +207,13 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
 
 
 def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None) -> bool:
-    """True where the op runs: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer (the mHC
+    """True where the op runs on ``device`` (a torch.device or a string): CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer (the mHC
     projection feeds bf16 tiles to tensor cores, which Triton offers from Ampere on; the kernels are tested on
-    an H200, sm_90); any hidden size >= 1."""
+    an H200, sm_90); ``hidden`` (optional): any hidden size >= 1.
+
+    >>> is_cake_rmsnorm_train_supported("cpu", 4096), is_cake_rmsnorm_train_supported("cpu", 0)
+    (True, False)
+    """
     device = torch.device(device)
     if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
         return False
@@ -174,10 +224,61 @@ def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Op
     return False
 
 
+def _workspace_for_backward(workspace, x: Tensor) -> Tensor:
+    """The caller's workspace as the FP32 dw partials the kernels write (size checked where they run)."""
+    from . import _backend, _workspace
+
+    ws = _workspace.as_bytes("workspace", workspace, x.device)
+    if not _backend.use_triton(x):
+        return ws[:ws.numel() // 4 * 4].view(torch.float32)  # the reference math leaves it unused
+    need = 4 * cake_rmsnorm_train_workspace_numel(x.numel() // x.shape[-1], x.shape[-1], x.device, x.dtype)
+    _workspace.check_size("workspace", ws, need, "cake_rmsnorm_train_backward_workspace(rows, hidden, device)")
+    return ws[:need].view(torch.float32)
+
+
+def cake_rmsnorm_train_backward_workspace_bytes(rows: int, hidden: int, device: Union[str, torch.device], *,
+                                                residual: bool = False) -> int:
+    """Bytes of the caller-owned backward workspace serving every cake_rmsnorm_train_backward of up to ``rows``
+    rows (tokens, leading dims flattened) of width ``hidden`` on ``device``, any x dtype.
+
+    It holds the deterministic backward's FP32 dw partials ``[P, hidden]``, one row per program of the
+    persistent grid (P grows with rows up to a few programs per multiprocessor), summed in a fixed order into
+    dw. Written before read: no zeroing needed. ``residual`` is accepted for FlashInfer's signature and does not
+    change the size.
+
+    >>> cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, "cpu") > 0
+    True
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows: expected the largest token count the buffer serves, an int >= 0, got {rows!r}")
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        raise ValueError(f"hidden: expected the hidden size H (x.shape[-1]), an int >= 1, got {hidden!r}")
+    del residual
+    return 4 * max(cake_rmsnorm_train_workspace_numel(rows, hidden, device, dtype) for dtype in _checks.FLOAT_DTYPES)
+
+
+def cake_rmsnorm_train_backward_workspace(rows: int, hidden: int, device: Union[str, torch.device], *,
+                                          residual: bool = False) -> Tensor:
+    """A zero-filled uint8 workspace of ``cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device)`` bytes
+    on ``device`` for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of at most
+    ``rows`` rows of width ``hidden``; ``residual`` as in ..._bytes (no effect on the size).
+
+    >>> cake_rmsnorm_train_backward_workspace(8, 64, "cpu").dtype
+    torch.uint8
+    """
+    return torch.zeros(cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual),
+                       dtype=torch.uint8, device=device)
+
+
 def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Union[str, torch.device],
                                        dtype: torch.dtype = torch.bfloat16) -> int:
     """FP32 elements of the workspace the deterministic backward uses (per-program dw partials) for x of
-    this dtype; a smaller workspace given to the backward is replaced by a fresh one."""
+    this dtype (cakeops' older helper; see cake_rmsnorm_train_backward_workspace_bytes): ``num_tokens`` rows of
+    width ``hidden`` on ``device``, x of ``dtype`` (default bf16).
+
+    >>> cake_rmsnorm_train_workspace_numel(8, 64, "cpu") % 64
+    0
+    """
     from ._triton.rmsnorm import workspace_rows
 
     return workspace_rows(torch.device(device), num_tokens, hidden, dtype.itemsize) * hidden
@@ -185,6 +286,12 @@ def cake_rmsnorm_train_workspace_numel(num_tokens: int, hidden: int, device: Uni
 
 def cake_rmsnorm_train_allocate_workspace(num_tokens: int, hidden: int, device: Union[str, torch.device],
                                           dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """A workspace for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of these sizes."""
+    """An FP32 workspace for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of these
+    sizes (cakeops' older helper; see cake_rmsnorm_train_backward_workspace): ``num_tokens`` rows of width
+    ``hidden`` on ``device``, x of ``dtype`` (default bf16).
+
+    >>> cake_rmsnorm_train_allocate_workspace(8, 64, "cpu").dtype
+    torch.float32
+    """
     return torch.empty(cake_rmsnorm_train_workspace_numel(num_tokens, hidden, device, dtype), dtype=torch.float32,
                        device=device)

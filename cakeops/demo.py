@@ -138,14 +138,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="training steps per model (default: 300 on CPU, 1500 on GPU)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (16)")
-    p.add_argument("--length", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--length", type=int, default=64, help="tokens per sequence (64)")
     p.add_argument("--dim", type=int, default=64, help="hidden size of both models (64)")
     p.add_argument("--layers", type=int, default=2,
                    help="transformer blocks, each an attention and an MLP branch (2)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (0)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--out", type=Path, default=Path("demo_out"), help="where loss.png and demo.json go")
+    p.add_argument("--out", type=Path, default=Path("demo_out"), help="directory where loss.png and demo.json go (demo_out)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads for torch (default 1: the model's 64-wide matrices are too small to split, and "
                         "more threads spin against any other load on the machine; 0 keeps torch's own choice)")

@@ -50,6 +50,10 @@ class RMSNorm(nn.Module):
         return self.normalized_shape[0]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.normalized_shape[0]:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"RMSNorm: expected an input [..., {self.normalized_shape[0]}] (normalized_shape), "
+                             f"got {got}; build it with the input's last dim as normalized_shape")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         w = self.weight if self.weight is not None else self._ones
         return cake_rmsnorm(x, w, eps, residual, self.deterministic)
@@ -120,6 +124,9 @@ class MHC(nn.Module):
             hint = ""
             if isinstance(X, torch.Tensor) and X.dim() >= 1 and X.shape[-1] == C and X.shape[-2:] != (n, C):
                 hint = "; widen the stream first with cakeops.nn.StreamExpand"
+            elif isinstance(X, torch.Tensor) and X.dim() >= 3 and X.shape[-2] == n:
+                hint = (f"; its hidden size {X.shape[-1]} is not the hidden_size={C} this MHC was built with "
+                        f"(build it with hidden_size={X.shape[-1]}, or check what feeds it)")
             raise ValueError(f"MHC: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), "
                              f"got {got}{hint}")
         U, handle = cake_mhc_train_prepare(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,

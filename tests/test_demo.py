@@ -24,3 +24,22 @@ def test_demo_runs_and_the_loss_falls(tmp_path):
     for r in record["results"]:
         assert len(r["losses"]) == 25 and r["tokens_per_s"] > 0
         assert sum(r["losses"][-5:]) / 5 < sum(r["losses"][:5]) / 5
+
+
+def test_demo_help_documents_every_flag(capsys):
+    """``python -m cakeops demo --help`` gives each flag a help text that states its default."""
+    import re
+
+    import pytest
+
+    from cakeops.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    entries = dict(re.findall(r"^  (--[a-z-]+) [A-Z_]+\s+(.*?)(?=^  -|\Z)", text, flags=re.M | re.S))
+    assert set(entries) == {"--steps", "--batch", "--length", "--dim", "--layers", "--lr", "--seed", "--device",
+                            "--out", "--threads"}
+    for flag, help_text in entries.items():
+        assert re.search(r"\(.*\S.*\)", help_text, flags=re.S), f"{flag}: no default in {help_text!r}"

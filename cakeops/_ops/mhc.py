@@ -34,8 +34,9 @@ def _empty_stats(X: Tensor) -> Tensor:
 
 def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                  iters: int, U: Optional[Tensor] = None, stats: Optional[Tensor] = None,
-                 write_U: bool = True) -> Tuple[Optional[Tensor], Tensor]:
-    """(U, stats); with write_U=False only stats (forward_stats: the same kernel, bitwise the same record)."""
+                 write_U: bool = True, workspace: Optional[Tensor] = None) -> Tuple[Optional[Tensor], Tensor]:
+    """(U, stats); with write_U=False only stats (forward_stats: the same kernel, bitwise the same record).
+    ``workspace``: a checked uint8 buffer the kernels carve their scratch from (unused by the reference)."""
     X = unit_last(X)
     fn, scale, base = fp32_params(fn, scale, base)
     T, n, C = X.shape
@@ -45,7 +46,8 @@ def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
     if _backend.use_triton(X):
         from .._triton import mhc_forward as kernels
         with _backend.kernel_device(X):
-            kernels.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U if write_U else None)
+            kernels.prepare(X, fn, scale, base, rms_eps, hc_eps, iters, stats, U if write_U else None,
+                            workspace=workspace)
     else:
         ref_U, ref_stats = reference.forward_prepare(X, fn, scale, base, rms_eps, hc_eps, iters)
         stats.copy_(ref_stats)
@@ -131,7 +133,8 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
                          stats: Tensor, grad_stats: Tensor, rms_eps: float, hc_eps: float, iters: int,
                          deterministic: bool = True, accumulate: bool = False, dX: Optional[Tensor] = None,
                          dfn: Optional[Tensor] = None, dscale: Optional[Tensor] = None,
-                         dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                         dbase: Optional[Tensor] = None,
+                         workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if not deterministic:
         alert_not_deterministic("cakeops mHC backward_finish with deterministic=False")
     dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
@@ -146,7 +149,8 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
         from .._triton import mhc_backward as kernels
         with _backend.kernel_device(X):
             kernels.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters,
-                                    dX, dfn, dscale, dbase, deterministic=deterministic, accumulate=accumulate)
+                                    dX, dfn, dscale, dbase, deterministic=deterministic, accumulate=accumulate,
+                                    workspace=workspace)
     else:
         outs = reference.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters)
         dX.copy_(outs[0])

@@ -188,6 +188,29 @@ def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device:
     return sum(_plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig()).sizes)
 
 
+def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, deterministic: bool = True,
+                                        sinkhorn_iters: Optional[int] = None,
+                                        config: Optional[FinishConfig] = None) -> int:
+    """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C on ``device``
+    (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn partials grows with T;
+    the dfn partials' effective split count is at most min(requested splits, token blocks), both monotone."""
+    if T == 0:
+        return 0
+    device = torch.device(device)
+    cfg = config or FinishConfig()
+    n, M = layout.N_STREAMS, layout.N_LOGITS
+    iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
+    worst = max((_plan(T, C, it, device, False, cfg) for it in iters_range), key=lambda p: sum(p.sizes))
+    numel = sum(worst.sizes)
+    if deterministic:
+        dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
+        token_blocks = cdiv(T, cfg.dfn_block_t)
+        requested = cfg.dfn_splits or max(1, persistent_programs(device, dfn.columns * token_blocks,
+                                                                   cfg.dfn_per_sm) // dfn.columns)
+        numel += min(requested, token_blocks) * M * n * C
+    return numel * 4
+
+
 def _stages(stages: Optional[int]) -> dict:
     return {} if stages is None else {"num_stages": stages}
 
@@ -213,7 +236,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
 
     X, dY, dX [T, n, C] and dU [T, C] need a unit stride along C only; stats and grad_stats rows may be
     strided; dfn, dscale, dbase are contiguous. ``workspace``: a flat FP32 buffer of at least
-    backward_finish_workspace_numel(...) elements, else one is allocated.
+    backward_finish_workspace_numel(...) elements, else one is allocated; or a flat uint8 buffer of at least 4x
+    that many bytes (the public layer's workspaces, checked there), whose bytes are read as FP32.
     """
     del rms_eps
     T, n, C = X.shape
@@ -232,6 +256,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     cfg = config or FinishConfig()
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg)
     need = sum(plan.sizes)
+    if workspace is not None and workspace.dtype == torch.uint8:
+        workspace = workspace[:4 * need].view(torch.float32)
     if workspace is None or workspace.numel() < need:
         workspace = torch.empty(need, dtype=torch.float32, device=X.device)
     dz, part, scratch, dfn_part, dpre = torch.split(workspace[:need], plan.sizes)

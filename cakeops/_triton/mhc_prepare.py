@@ -188,12 +188,15 @@ class PrepareConfig:
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
-        T, _, C = X.shape
+        return self.resolve_for(X.shape[0], X.shape[2], X.device, X.is_cuda)
+
+    def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None) -> "PrepareConfig":
+        """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
         block_c = max(16, min(64, next_power_of_2(C)))
-        if not X.is_cuda:
+        if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
-            sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
+            sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
             block_t = 128
             slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
             while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
@@ -212,12 +215,51 @@ class PrepareConfig:
             yield PrepareConfig(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices)
 
 
+def workspace_regions(T: int, n: int, C: int, dtype: torch.dtype, cfg: PrepareConfig):
+    """The scratch of one call, as (shape, dtype) regions in workspace order (``cfg`` resolved):
+    the bf16 hi / lo pieces of fn [2, M, n*C] (bf16 X with ``presplit`` only), then the projection partials
+    FP32 [slices, T, M_PAD] (column M of a row carries the sum of squares)."""
+    M = 2 * n + n * n
+    m_pad = max(16, next_power_of_2(M))
+    cols = cdiv(cdiv(C, cfg.slices), cfg.block_c) * cfg.block_c
+    regions = [((2, M, n * C), torch.bfloat16)] if cfg.presplit and dtype == torch.bfloat16 else []
+    return regions + [((cdiv(C, cols), T, m_pad), torch.float32)]
+
+
+def workspace_bytes(X: torch.Tensor, config: Optional[PrepareConfig] = None) -> int:
+    """Bytes of workspace ``prepare`` carves for this X (0 when T == 0: nothing is launched)."""
+    from .._workspace import layout_bytes
+
+    T, n, C = X.shape
+    if T == 0:
+        return 0
+    return layout_bytes(workspace_regions(T, n, C, X.dtype, (config or PrepareConfig()).resolve(X)))
+
+
+def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Optional[PrepareConfig] = None) -> int:
+    """Bytes of a workspace that serves every call of up to T tokens of [*, n, C] on ``device``, any dtype:
+    fn's pieces (always reserved) and the largest partials over T' <= T (column slices shrink as T grows,
+    so slices * T' is not monotone; it changes only at whole 128-token blocks)."""
+    from .._workspace import layout_bytes
+
+    if T == 0:
+        return 0
+    base = config or PrepareConfig()
+    candidates = {T} | {128 * k for k in range(1, min(cdiv(T, 128), 257))}
+    parts = max(workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device))[0][0]
+                for t in candidates if t <= T)
+    M = 2 * n + n * n
+    return layout_bytes([((2, M, n * C), torch.bfloat16), (parts, torch.float32)])
+
+
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
-            config: Optional[PrepareConfig] = None) -> None:
+            config: Optional[PrepareConfig] = None, workspace: Optional[torch.Tensor] = None) -> None:
     """Writes stats [T, STATS_WIDTH] FP32 (padding zeroed) and, when U [T, C] is given, the collapse U.
 
     U=None is forward_stats. ``config``: the launch shape (PrepareConfig; the defaults when None).
+    ``workspace``: a flat uint8 buffer of at least ``layout_bytes(workspace_regions(...))`` bytes (checked by
+    the public layer) from which the scratch is carved; None allocates it.
     """
     T, n, C = X.shape
     if T == 0:
@@ -232,11 +274,17 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     m_pad = max(16, next_power_of_2(M))
     assert m_pad > M  # column M of a partial row carries the sum of squares
     cols = cdiv(cdiv(C, slices), block_c) * block_c
-    part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
     presplit = cfg.presplit and X.dtype == torch.bfloat16
+    if workspace is None:  # the autograd path: allocated per call, as workspace_regions lays them out
+        part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
+        pieces = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device) if presplit else None
+    else:
+        from .._workspace import carve
+        *pieces, part = carve(workspace, workspace_regions(T, n, C, X.dtype, cfg))
+        pieces = pieces[0] if presplit else None
     w = fn
     if presplit:
-        w = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device)
+        w = pieces
         _split_fn_kernel[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
     _project_kernel[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),

@@ -1,0 +1,66 @@
+"""Caller-owned workspaces: a flat byte buffer that a launcher carves into the scratch tensors it would otherwise
+allocate per call (FlashInfer's ``workspace=`` arguments; what CUDA-graph capture and static-buffer users need).
+
+A workspace is a contiguous uint8 tensor on the op's device (as FlashInfer hands out; cakeops' earlier FP32
+RMSNorm workspaces still serve) whose bytes are reinterpreted; regions start at multiples of ``ALIGN`` bytes.
+"""
+from typing import Sequence, Tuple
+
+import torch
+
+ALIGN = 256  # bytes: every region starts at a multiple (cudaMalloc's alignment, so vector loads stay aligned)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout_bytes(regions: Sequence[Tuple[Tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of a workspace holding ``regions`` ((shape, dtype) pairs) one after the other, each aligned."""
+    total = 0
+    for shape, dtype in regions:
+        numel = 1
+        for s in shape:
+            numel *= s
+        total = _align(total) + numel * dtype.itemsize
+    return total
+
+
+def as_bytes(name: str, workspace, device: torch.device) -> torch.Tensor:
+    """The caller's workspace as a flat uint8 view, after the checks every public function makes."""
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor (e.g. from the *_workspace() helper), "
+                        f"got {type(workspace).__name__}")
+    if workspace.dtype not in (torch.uint8, torch.float32):
+        raise ValueError(f"{name}: expected a uint8 buffer (from the *_workspace() helper; FP32 also serves), got "
+                         f"{str(workspace.dtype).replace('torch.', '')}")
+    if workspace.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of the op's inputs), got one on "
+                         f"{workspace.device}")
+    if not workspace.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous buffer (allocate it with the *_workspace() helper)")
+    if workspace.numel() and workspace.data_ptr() % 16:
+        raise ValueError(f"{name}: expected a buffer aligned to 16 bytes, got address {workspace.data_ptr():#x} "
+                         f"(a slice at an odd offset?); allocate it with the *_workspace() helper")
+    flat = workspace.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def check_size(name: str, workspace_bytes: torch.Tensor, need: int, helper: str) -> None:
+    if workspace_bytes.numel() < need:
+        raise ValueError(f"{name}: this call needs {need} bytes of workspace, got {workspace_bytes.numel()}; "
+                         f"allocate it with {helper}")
+
+
+def carve(workspace_bytes: torch.Tensor, regions: Sequence[Tuple[Tuple[int, ...], torch.dtype]]):
+    """Views of ``workspace_bytes`` (uint8, large enough: see layout_bytes) in the regions' shapes and dtypes."""
+    views, offset = [], 0
+    for shape, dtype in regions:
+        offset = _align(offset)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        views.append(workspace_bytes[offset:offset + nbytes].view(dtype).view(shape))
+        offset += nbytes
+    return views

@@ -1,0 +1,250 @@
+"""FlashInfer drop-in: every public function called with FlashInfer's documented keywords (docs.flashinfer.ai,
+``flashinfer.cake_mhc_train`` / ``flashinfer.cake_rmsnorm_train``), caller-owned workspaces (a call given its
+outputs and a workspace allocates nothing), their size errors, and a CUDA graph of forward + backward."""
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cakeops import cake_mhc_train as mhc
+from cakeops import cake_rmsnorm_train as rms
+from conftest import DEVICE, ON_GPU
+
+T, N, C, M = 5, 4, 32, 24
+
+
+def _inputs(dtype=torch.bfloat16, T=T):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(T, N, C, generator=g).to(DEVICE, dtype)
+    fn = (torch.randn(M, N * C, generator=g) * 0.05).to(DEVICE)
+    scale = torch.tensor([0.5, 0.3, 0.8], device=DEVICE)
+    base = (torch.randn(M, generator=g) * 0.5).to(DEVICE)
+    return X, fn, scale, base
+
+
+def test_mhc_functions_take_flashinfers_keywords(backend):
+    X, fn, scale, base = _inputs()
+    hp = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
+    fws = mhc.cake_mhc_train_forward_workspace(T, X.device, hidden=C)
+    bws = mhc.cake_mhc_train_backward_workspace(T, X.device, hidden=C)
+    assert fws.dtype == bws.dtype == torch.uint8
+    assert fws.numel() == mhc.cake_mhc_train_forward_workspace_bytes(T, X.device, hidden=C)
+    assert bws.numel() == mhc.cake_mhc_train_backward_workspace_bytes(T, X.device, hidden=C)
+    U, stats = mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, **hp, out=torch.empty(T, C, device=DEVICE,
+                                                  dtype=X.dtype), stats_out=torch.empty(T, 64, device=DEVICE),
+                                                  workspace=fws)
+    replay = mhc.cake_mhc_train_forward_stats(X, fn, scale, base, **hp, stats_out=torch.empty(T, 64, device=DEVICE),
+                                              workspace=fws)
+    assert torch.equal(replay, stats)
+    B = torch.tanh(U)
+    Y = mhc.cake_mhc_train_forward_finish(X, B, stats, out=torch.empty_like(X))
+    dY = torch.randn_like(Y)
+    dB, gs = mhc.cake_mhc_train_backward_prepare(dY, B, X, stats, dB=torch.empty_like(B),
+                                                 grad_stats_out=torch.empty(T, 32, device=DEVICE))
+    dX, dfn, dscale, dbase = mhc.cake_mhc_train_backward_finish(
+        X, dY, dB, B, fn, scale, base, stats, gs, **hp, accumulate=False, workspace=bws, dX=torch.empty_like(X),
+        dfn=torch.empty_like(fn), dscale=torch.empty(3, device=DEVICE), dbase=torch.empty(M, device=DEVICE))
+    ref = mhc.cake_mhc_train_backward_finish(X, dY, dB, None, fn, scale, base, stats, gs, **hp)
+    for got, want in zip((dX, dfn, dscale, dbase), ref):
+        assert torch.equal(got, want)
+    head = mhc.cake_mhc_train_head_forward(X)
+    mhc.cake_mhc_train_head_backward(head, dX=torch.empty_like(X), accumulate=False)
+    assert mhc.is_cake_mhc_train_supported(X.device, hidden=C)
+    assert mhc.is_cake_mhc_train_head_supported(X.device, hidden=C)
+
+    Xg = X.detach().requires_grad_()
+    U, handle = mhc.cake_mhc_train_prepare(Xg, fn, scale, base, **hp, save_stats=False, workspace=fws,
+                                           backward_workspace=bws)
+    Y = mhc.cake_mhc_train_finish(Xg, torch.tanh(U), handle)
+    Y.backward(dY)
+    Xr = X.detach().requires_grad_()
+    U, handle = mhc.cake_mhc_train_prepare(Xr, fn, scale, base, **hp)
+    mhc.cake_mhc_train_finish(Xr, torch.tanh(U), handle).backward(dY)
+    assert torch.equal(Xg.grad, Xr.grad)
+    assert mhc.cake_mhc_train_head(Xg).shape == (T, C)
+
+
+def test_forward_stats_keeps_its_older_out_keyword(backend):
+    X, fn, scale, base = _inputs()
+    buf = torch.empty(T, 64, device=DEVICE)
+    assert mhc.cake_mhc_train_forward_stats(X, fn, scale, base, out=buf) is buf
+    with pytest.raises(ValueError, match=r"^out: an older name of stats_out"):
+        mhc.cake_mhc_train_forward_stats(X, fn, scale, base, out=buf, stats_out=buf)
+
+
+def test_rmsnorm_functions_take_flashinfers_keywords(backend):
+    x = torch.randn(T, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.ones(64, device=DEVICE, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    y, rstd, h = rms.cake_rmsnorm_train_forward(x, w, 1e-6, residual=r, out=torch.empty_like(x),
+                                                rstd=torch.empty(T, device=DEVICE), residual_out=torch.empty_like(x))
+    ws = rms.cake_rmsnorm_train_backward_workspace(T, 64, x.device, residual=True)
+    assert ws.dtype == torch.uint8
+    assert ws.numel() == rms.cake_rmsnorm_train_backward_workspace_bytes(T, 64, x.device, residual=True)
+    g = torch.randn_like(y)
+    dx, dw = rms.cake_rmsnorm_train_backward(g, h, w, rstd, deterministic=True, g_residual=r, workspace=ws,
+                                             dx=torch.empty_like(x), dw=torch.empty(64, device=DEVICE))
+    ref = rms.cake_rmsnorm_train_backward(g, h, w, rstd, g_residual=r)
+    assert torch.equal(dx, ref[0]) and torch.equal(dw, ref[1])
+    y2 = rms.cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True)
+    assert torch.equal(y2, rms.cake_rmsnorm_train_forward(x, w, 1e-6)[0])
+    assert rms.is_cake_rmsnorm_train_supported(x.device, 64)
+
+
+# ---- a call with its outputs and a workspace allocates nothing ----
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "clone", "_to_copy", "new_", "rand", "like")
+
+
+class _Allocations(TorchDispatchMode):
+    """Every tensor-creating aten op, except those of Triton's interpreter (it copies kernel arguments to host
+    buffers and back: the CPU stand-in for a GPU launch, which allocates nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if any(f in name for f in _FACTORIES):
+            stack = traceback.extract_stack()
+            if not any("triton/runtime/interpreter" in frame.filename.replace("\\", "/") for frame in stack):
+                self.seen.append((name, "".join(traceback.format_list(stack[-6:-1]))))
+        return func(*args, **(kwargs or {}))
+
+
+def _no_allocations(call):
+    call()  # first call: compiles (GPU) and warms caches
+    with _Allocations() as a:
+        call()
+    assert not a.seen, f"allocated: {a.seen[0][0]} at\n{a.seen[0][1]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_call_with_a_workspace_allocates_nothing(triton_kernels, dtype):
+    X, fn, scale, base = _inputs(dtype)
+    U, stats = torch.empty(T, C, device=DEVICE, dtype=dtype), torch.empty(T, 64, device=DEVICE)
+    fws = mhc.cake_mhc_train_forward_workspace(T, X.device, hidden=C)
+    bws = mhc.cake_mhc_train_backward_workspace(T, X.device, hidden=C)
+    _no_allocations(lambda: mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, out=U, stats_out=stats,
+                                                               workspace=fws))
+    _no_allocations(lambda: mhc.cake_mhc_train_forward_stats(X, fn, scale, base, stats_out=stats, workspace=fws))
+    B, Y, dY = torch.tanh(U), torch.empty_like(X), torch.randn_like(X)
+    _no_allocations(lambda: mhc.cake_mhc_train_forward_finish(X, B, stats, out=Y))
+    dB, gs = torch.empty_like(B), torch.empty(T, 32, device=DEVICE)
+    _no_allocations(lambda: mhc.cake_mhc_train_backward_prepare(dY, B, X, stats, dB=dB, grad_stats_out=gs))
+    dX, dfn, dscale, dbase = (torch.empty_like(X), torch.empty_like(fn), torch.empty(3, device=DEVICE),
+                              torch.empty(M, device=DEVICE))
+    for accumulate in (False, True):
+        _no_allocations(lambda: mhc.cake_mhc_train_backward_finish(
+            X, dY, dB, B, fn, scale, base, stats, gs, accumulate=accumulate, workspace=bws, dX=dX, dfn=dfn,
+            dscale=dscale, dbase=dbase))
+    _no_allocations(lambda: mhc.cake_mhc_train_head_forward(X, out=U))
+    _no_allocations(lambda: mhc.cake_mhc_train_head_backward(U, dX=dX))
+
+    x, w = torch.randn(T, 64, device=DEVICE, dtype=dtype), torch.ones(64, device=DEVICE, dtype=dtype)
+    y, rstd = torch.empty_like(x), torch.empty(T, device=DEVICE)
+    _no_allocations(lambda: rms.cake_rmsnorm_train_forward(x, w, 1e-6, out=y, rstd=rstd))
+    dw = torch.empty(64)
+    ws, dx, dw = rms.cake_rmsnorm_train_backward_workspace(T, 64, x.device), torch.empty_like(x), dw.to(DEVICE)
+    _no_allocations(lambda: rms.cake_rmsnorm_train_backward(y, x, w, rstd, workspace=ws, dx=dx, dw=dw))
+
+
+def test_a_workspace_serves_every_smaller_token_count(triton_kernels):
+    """Sized for T tokens, it serves every T' <= T (the column-sliced partials are not monotone in T)."""
+    from cakeops._triton.mhc_backward import backward_finish_workspace_numel
+    from cakeops._triton.mhc_prepare import PrepareConfig, workspace_regions
+    from cakeops._workspace import layout_bytes
+
+    device, big, H = torch.device(DEVICE), (20000 if ON_GPU else 64), 4096
+    fwd = mhc.cake_mhc_train_forward_workspace_bytes(big, device, hidden=H)
+    bwd = mhc.cake_mhc_train_backward_workspace_bytes(big, device, hidden=H)
+    assert bwd >= mhc.cake_mhc_train_backward_workspace_bytes(big, device, hidden=H, sinkhorn_iters=20) > 0
+    for t in sorted({1, 2, 16, 63, 64, 127, 128, 129, 1000, 4096, 8191, 8192, 8193, 16384, big}):
+        if t > big:
+            continue
+        for dtype in (torch.bfloat16, torch.float32):
+            need = layout_bytes(workspace_regions(t, N, H, dtype, PrepareConfig().resolve_for(t, H, device)))
+            assert need <= fwd, t
+        for iters in (1, 20, 64):
+            assert 4 * backward_finish_workspace_numel(t, H, iters, device) <= bwd, (t, iters)
+
+
+def test_workspace_errors_say_what_is_needed(triton_kernels):
+    X, fn, scale, base = _inputs()
+    with pytest.raises(ValueError, match=r"^workspace: this call needs \d+ bytes of workspace, got 16; "
+                                         r"allocate it with cake_mhc_train_forward_workspace"):
+        mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, workspace=torch.zeros(16, dtype=torch.uint8,
+                                                                                      device=DEVICE))
+    with pytest.raises(ValueError, match=r"^backward_workspace: this call needs \d+ bytes.*"
+                                         r"cake_mhc_train_backward_workspace"):
+        mhc.cake_mhc_train_prepare(X, fn, scale, base, backward_workspace=torch.zeros(16, dtype=torch.uint8,
+                                                                                        device=DEVICE))
+    with pytest.raises(ValueError, match=r"^workspace: expected a tensor on .*got one on meta"):
+        mhc.cake_mhc_train_forward_stats(X, fn, scale, base, workspace=torch.zeros(1 << 20, dtype=torch.uint8,
+                                                                                    device="meta"))
+    with pytest.raises(TypeError, match=r"^workspace: expected a torch.Tensor"):
+        mhc.cake_mhc_train_forward_stats(X, fn, scale, base, workspace=1024)
+    with pytest.raises(ValueError, match=r"^workspace: expected a buffer aligned to 16 bytes"):
+        ws = mhc.cake_mhc_train_forward_workspace(T, X.device, hidden=C)
+        mhc.cake_mhc_train_forward_stats(X, fn, scale, base, workspace=torch.zeros(ws.numel() + 8, dtype=torch.uint8,
+                                                                                    device=DEVICE)[1:])
+    x = X[:, 0]
+    with pytest.raises(ValueError, match=r"^workspace: this call needs \d+ bytes.*cake_rmsnorm_train_backward_workspace"):
+        rms.cake_rmsnorm_train_backward(x, x, torch.ones(C, device=DEVICE), torch.ones(T, device=DEVICE),
+                                        workspace=torch.zeros(4, dtype=torch.uint8, device=DEVICE))
+
+
+# ---- CUDA graphs ----
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_of_forward_and_backward_with_caller_buffers():
+    """One mHC layer (branch: RMSNorm) forward + backward captured with caller buffers and workspaces; a replay
+    on new inputs copied into the static inputs gives the eager bits."""
+    T_, C_ = 256, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16, s=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * s).to(dtype)
+
+    X, fn, scale, base = rand(T_, N, C_), rand(M, N * C_, dtype=torch.float32, s=0.02), \
+        torch.tensor([0.5, 0.3, 0.8], device="cuda"), rand(M, dtype=torch.float32, s=0.5)
+    w, dY = rand(C_, s=1.0), rand(T_, N, C_)
+    fws = mhc.cake_mhc_train_forward_workspace(T_, X.device, hidden=C_)
+    bws = mhc.cake_mhc_train_backward_workspace(T_, X.device, hidden=C_)
+    rws = rms.cake_rmsnorm_train_backward_workspace(T_, C_, X.device)
+    U, stats, B, rstd, Y = (torch.empty(T_, C_, device="cuda", dtype=X.dtype), torch.empty(T_, 64, device="cuda"),
+                            torch.empty(T_, C_, device="cuda", dtype=X.dtype), torch.empty(T_, device="cuda"),
+                            torch.empty_like(X))
+    dB, gs, dU, dw = (torch.empty_like(B), torch.empty(T_, 32, device="cuda"), torch.empty_like(B),
+                      torch.empty(C_, device="cuda"))
+    dX, dfn, dscale, dbase = (torch.empty_like(X), torch.empty_like(fn), torch.empty(3, device="cuda"),
+                              torch.empty(M, device="cuda"))
+
+    def step():
+        mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, out=U, stats_out=stats, workspace=fws)
+        rms.cake_rmsnorm_train_forward(U, w, 1e-6, out=B, rstd=rstd)
+        mhc.cake_mhc_train_forward_finish(X, B, stats, out=Y)
+        mhc.cake_mhc_train_backward_prepare(dY, B, X, stats, dB=dB, grad_stats_out=gs)
+        rms.cake_rmsnorm_train_backward(dB, U, w, rstd, workspace=rws, dx=dU, dw=dw)
+        mhc.cake_mhc_train_backward_finish(X, dY, dU, B, fn, scale, base, stats, gs, workspace=bws, dX=dX, dfn=dfn,
+                                           dscale=dscale, dbase=dbase)
+        return Y, dX, dfn, dscale, dbase, dw
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    X.copy_(rand(T_, N, C_))
+    dY.copy_(rand(T_, N, C_))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [t.clone() for t in (Y, dX, dfn, dscale, dbase, dw)]
+    want = [t.clone() for t in step()]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
