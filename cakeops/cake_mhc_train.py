@@ -684,7 +684,8 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
                                        dbase: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gated head, backward: ``(dX [T, n, C] in X.dtype, dfn [n, n*C], dscale [1], dbase [n] FP32)``.
 
-    dY ``[T, C]`` in X's dtype; X, fn, scale, base as given to the forward, ``stats`` its record. dX is written
+    dY ``[T, C]`` in X's dtype; X, fn, scale, base, rms_eps and hc_eps as given to the forward, ``stats`` its
+    record (rms_eps and hc_eps must match the forward's: the record holds rstd and the gates). dX is written
     once (``g_i*dY`` and the gates' contribution through rstd and mix summed in FP32, one rounding).
     ``deterministic=True``: the parameter gradients are summed over tokens in a fixed order (bitwise
     reproducible for a given T and device); ``False`` uses atomics. ``accumulate=True`` adds into the given
