@@ -30,7 +30,7 @@ import triton.language as tl
 from ..meta import mhc_layout as layout
 from .mhc_columns import (
     PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
-    STATS_WIDTH as _STATS_WIDTH,
+    STATS_WIDTH as _STATS_WIDTH, logits_pad,
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
@@ -138,27 +138,27 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     # mix goes to its stats columns, then comes back in the shapes the gates and the Sinkhorn need
     # ([BLOCK_T, N], [BLOCK_T, N, N]): a cache-hot round trip of M floats per token, simpler than
     # re-laying out registers. The barrier makes the other threads' stores visible.
-    s_row = STATS + t64 * _STATS_WIDTH
-    tl.store(s_row[:, None] + _MIX + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
-    tl.store(s_row + _RSTD, rstd, mask=t_ok)
-    offs_w = tl.arange(0, _STATS_WIDTH)
-    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, _STATS_WIDTH], dtype=tl.float32),
-             mask=t_ok[:, None] & (offs_w >= _STATS_USED)[None, :])
+    s_row = STATS + t64 * _STATS_WIDTH(N)
+    tl.store(s_row[:, None] + _MIX(N) + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
+    tl.store(s_row + _RSTD(N), rstd, mask=t_ok)
+    offs_w = tl.arange(0, _STATS_WIDTH(N))
+    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, _STATS_WIDTH(N)], dtype=tl.float32),
+             mask=t_ok[:, None] & (offs_w >= _STATS_USED(N))[None, :])
     tl.debug_barrier()
 
     j = tl.arange(0, N)
     row_ok = t_ok[:, None]
-    z_pre = tl.load(s_row[:, None] + _MIX + j[None, :], mask=row_ok, other=0.0)
-    z_post = tl.load(s_row[:, None] + _MIX + N + j[None, :], mask=row_ok, other=0.0)
+    z_pre = tl.load(s_row[:, None] + _MIX(N) + j[None, :], mask=row_ok, other=0.0)
+    z_post = tl.load(s_row[:, None] + _MIX(N) + N + j[None, :], mask=row_ok, other=0.0)
     pre = sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
     post = 2.0 * sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
     ij = j[:, None] * N + j[None, :]
-    z_res = tl.load(s_row[:, None, None] + _MIX + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
+    z_res = tl.load(s_row[:, None, None] + _MIX(N) + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
     comb, _ = sinkhorn(z_res, tl.load(SCALE + 2), tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters,
                        STATS, 0, False)  # no scratch: nothing recorded
-    tl.store(s_row[:, None] + _PRE + j[None, :], pre, mask=row_ok)
-    tl.store(s_row[:, None] + _POST + j[None, :], post, mask=row_ok)
-    tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])
+    tl.store(s_row[:, None] + _PRE(N) + j[None, :], pre, mask=row_ok)
+    tl.store(s_row[:, None] + _POST(N) + j[None, :], post, mask=row_ok)
+    tl.store(s_row[:, None, None] + _COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
 @dataclass(frozen=True)
@@ -224,13 +224,12 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         return
     M = 2 * n + n * n
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
-    assert stats.is_contiguous() and stats.shape == (T, layout.STATS_WIDTH) and stats.dtype == torch.float32
+    assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
     cfg = (config or PrepareConfig()).resolve(X)
-    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
+    assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
     block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
-    m_pad = max(16, next_power_of_2(M))
-    assert m_pad > M  # column M of a partial row carries the sum of squares
+    m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
     presplit = cfg.presplit and X.dtype == torch.bfloat16
