@@ -1,7 +1,8 @@
 """mHC (manifold-constrained hyper-connections) training ops, FlashInfer ``cake_mhc_train``-compatible API.
 
-The residual stream is widened to n = 4 streams ``X [T, n, C]``. Per token, the RMS-normalized flattened
-streams are projected by ``fn [24, 4C]`` to logits that give the ``pre`` gates (collapse to the layer input
+The residual stream is widened to n streams ``X [T, n, C]``, n in {2, 4, 8} (4 is the usual choice; other n
+raise NotImplementedError). Per token, the RMS-normalized flattened streams are projected by
+``fn [2n + n*n, n*C]`` (``[24, 4C]`` for n = 4) to logits that give the ``pre`` gates (collapse to the layer input
 ``U = sum_i pre_i X_i``), the ``post`` gates and a doubly-stochastic mixing matrix ``comb`` (Sinkhorn), and the
 layer output is ``Y = post * B + comb^T X`` with ``B = branch(U)``.
 
@@ -51,11 +52,12 @@ def _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters):
 def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                                    hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out: Optional[Tensor] = None,
                                    stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """``(U [T, C] in X.dtype, stats [T, 64] FP32)``: coefficients of every token and the collapse U."""
+    """``(U [T, C] in X.dtype, stats [T, S] FP32)``: coefficients of every token and the collapse U. n in {2, 4, 8};
+    S = 32 / 64 / 256 for n = 2 / 4 / 8 (``meta.mhc_layout.layout_for(n).STATS_WIDTH``)."""
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
-    stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.STATS_WIDTH), dtype=torch.float32,
+    stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.stats_width(n)), dtype=torch.float32,
                            device=X.device)
     return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out)
 
@@ -65,7 +67,8 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
                                  out: Optional[Tensor] = None) -> Tensor:
     """``stats`` alone, bitwise equal to forward_prepare's (checkpoint replay)."""
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
-    out = out_tensor("out", out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
+    out = out_tensor("out", out, shape=(X.shape[0], layout.stats_width(X.shape[1])), dtype=torch.float32,
+                     device=X.device)
     return ops.prepare_impl(X, fn, scale, base, *hp, stats=out, write_U=False)[1]
 
 
@@ -74,7 +77,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     args.streams("X", X)
     T, n, C = X.shape
     args.like("B", B, X, (T, C))
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
     return ops.finish_impl(X, B, stats, out)
 
@@ -87,27 +90,35 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     return ops.head_forward_impl(X, out)
 
 
-def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
-    """``dX[t, i, c] = round(dY[t, c] / n)``; with ``accumulate=True`` added into the given dX."""
+def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False,
+                                 n_streams: Optional[int] = None) -> Tensor:
+    """``dX[t, i, c] = round(dY[t, c] / n)``; with ``accumulate=True`` added into the given dX.
+
+    ``n_streams``: n, the streams the head's forward collapsed (2, 4 or 8). dY [T, C] does not tell it, so it
+    comes from here, else from a given ``dX`` [T, n, C], else it is 4 (the default stream count)."""
     tensor("dY", dY, dtypes=FLOAT_DTYPES, ndim=2)
     args.flag("accumulate", accumulate)
+    if n_streams is None:
+        n_streams = dX.shape[1] if isinstance(dX, Tensor) and dX.dim() == 3 else args.N
+    n = args.n_streams("n_streams", n_streams)
     T, C = dY.shape
-    dX = out_tensor("dX", dX, shape=(T, args.N, C), dtype=dY.dtype, device=dY.device)
+    dX = out_tensor("dX", dX, shape=(T, n, C), dtype=dY.dtype, device=dY.device)
     if accumulate and dX is None:
         raise ValueError("dX: accumulate=True needs the dX to add into")
-    return ops.head_backward_impl(dY, args.N, dX, accumulate)
+    return ops.head_backward_impl(dY, n, dX, accumulate)
 
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
                                     grad_stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """The finish node's backward: ``(dB [T, C], grad_stats [T, 32] FP32 = dpost | dcomb | 0)``."""
+    """The finish node's backward: ``(dB [T, C], grad_stats [T, G] FP32 = dpost | dcomb | 0)``, G = 8 / 32 / 128
+    for n = 2 / 4 / 8."""
     args.streams("X", X)
     T, n, C = X.shape
     args.like("dY", dY, X, X.shape)
     _check_branch_output("B", B, X)
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
     dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
-    grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.GRAD_STATS_WIDTH),
+    grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.grad_stats_width(n)),
                                 dtype=torch.float32, device=X.device)
     return ops.backward_prepare_impl(dY, B, X, stats,
                                      dB, grad_stats_out)
@@ -131,8 +142,8 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     args.like("dU", dU, X, (T, C))
     if B is not None:
         _check_branch_output("B", B, X)
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
-    args.stats("grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
+    args.stats("grad_stats", grad_stats, X, layout.grad_stats_width(n))
     args.flag("deterministic", deterministic)
     args.flag("accumulate", accumulate)
     dX = out_tensor("dX", dX, shape=X.shape, dtype=X.dtype, device=X.device)
@@ -263,7 +274,8 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs.
 
     X: the residual streams ``[..., n, C]`` (any leading dims, e.g. ``[batch, seq, 4, C]``), bf16, fp16 or fp32,
-    n = 4. fn ``[24, 4*C]``, scale ``[3]``, base ``[24]``: the mapping, in any float dtype (the math is FP32).
+    n in {2, 4, 8}. fn ``[M, n*C]``, scale ``[3]``, base ``[M]`` with M = 2n + n*n (``[24, 4*C]`` and ``[24]`` for
+    n = 4): the mapping, in any float dtype (the math is FP32).
     rms_eps, hc_eps: finite floats > 0; sinkhorn_iters: 1..64. U is ``[..., C]`` in X's dtype.
     ``save_stats=False`` keeps only X for the backward and recomputes the stats there (same bits);
     ``deterministic=False`` sums the parameter gradients with atomics.
@@ -321,6 +333,8 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
 
 
 def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
-    """True where the ops run: CPU (reference math) and CUDA GPUs Triton supports; n = 4, any C >= 1."""
+    """True where the ops run: CPU (reference math) and CUDA GPUs Triton supports; n_streams in {2, 4, 8}, any
+    C >= 1."""
     from .cake_rmsnorm_train import is_cake_rmsnorm_train_supported
-    return n_streams == layout.N_STREAMS and is_cake_rmsnorm_train_supported(device, hidden)
+    supported = not isinstance(n_streams, bool) and n_streams in layout.SUPPORTED_STREAMS
+    return supported and is_cake_rmsnorm_train_supported(device, hidden)

@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
 class MHC(nn.Module):
     """One mHC layer around a branch: ``X [..., n, C] -> [..., n, C]`` = prepare -> ``branch(U)`` -> finish.
 
-    Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
+    ``n_streams``: n, 2, 4 or 8 (other n raise NotImplementedError here, at construction). Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
     Initialised so the layer starts as a plain residual block: group scales 0.01 (the projection barely moves
     the logits), pre gates at 1/n (U is the mean of the streams), post gates at 1 (every stream receives the
     branch output) and a mixing matrix near the identity (diagonal logits 4).
@@ -80,10 +80,10 @@ class MHC(nn.Module):
                  rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, save_stats: bool = True,
                  keep_fp32_mapping: bool = False, device=None):
         super().__init__()
+        from . import _mhc_args
         from .meta import mhc_layout as layout
 
-        if n_streams != layout.N_STREAMS:
-            raise NotImplementedError(f"n_streams: only {layout.N_STREAMS} streams are supported, got {n_streams}")
+        _mhc_args.n_streams("n_streams", n_streams)
         if not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
         n, C = n_streams, hidden_size
@@ -92,9 +92,10 @@ class MHC(nn.Module):
         self.sinkhorn_iters, self.rms_eps, self.hc_eps = sinkhorn_iters, rms_eps, hc_eps
         self.deterministic, self.save_stats = deterministic, save_stats
         self.keep_fp32_mapping = keep_fp32_mapping
-        self.fn = nn.Parameter(torch.randn(layout.N_LOGITS, n * C, device=device) / (n * C) ** 0.5)
+        M = layout.n_logits(n)
+        self.fn = nn.Parameter(torch.randn(M, n * C, device=device) / (n * C) ** 0.5)
         self.scale = nn.Parameter(torch.full((3,), 0.01, device=device))
-        base = torch.zeros(layout.N_LOGITS, device=device)
+        base = torch.zeros(M, device=device)
         base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
         base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
         self.base = nn.Parameter(base)
@@ -137,20 +138,33 @@ class MHC(nn.Module):
 
 
 class StreamExpand(nn.Module):
-    """``[..., C] -> [..., n, C]``: the embedding copied into n residual streams (backward: the sum over streams)."""
+    """``[..., C] -> [..., n, C]``: the embedding copied into n residual streams (backward: the sum over streams).
+    ``n_streams``: 2, 4 or 8, the mHC layers' n (others raise NotImplementedError at construction)."""
 
     def __init__(self, n_streams: int = 4):
         super().__init__()
-        self.n_streams = n_streams
+        from . import _mhc_args
+
+        self.n_streams = _mhc_args.n_streams("n_streams", n_streams)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
 
 
 class MHCHead(nn.Module):
-    """``[..., n, C] -> [..., C]``: the model's final collapse, the mean of the streams (cakeops head op)."""
+    """``[..., n, C] -> [..., C]``: the model's final collapse, the mean of the streams (cakeops head op).
+    ``n_streams``: None takes n from each input (2, 4 or 8); an int (checked at construction) also requires it."""
+
+    def __init__(self, n_streams: Optional[int] = None):
+        super().__init__()
+        from . import _mhc_args
+
+        self.n_streams = None if n_streams is None else _mhc_args.n_streams("n_streams", n_streams)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         from .cake_mhc_train import cake_mhc_train_head
 
+        n = self.n_streams
+        if n is not None and isinstance(X, torch.Tensor) and X.dim() >= 3 and X.shape[-2] != n:
+            raise ValueError(f"MHCHead: expected the residual streams [..., {n}, C] (n_streams), got {tuple(X.shape)}")
         return cake_mhc_train_head(X)  # [..., C], the op's own output, not a view (FSDP2 hooks module outputs)

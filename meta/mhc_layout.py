@@ -39,7 +39,7 @@ aligned 32-byte sectors; the smallest such width, because every stats byte is re
 backward_finish and kept as activation memory between forward and backward (n = 8: 1 KiB per token, 1/64 of X
 at C = 4096 in bf16). n = 4's widths (64, 32) are the record's original ones, unchanged.
 """
-import functools
+import operator
 from dataclasses import dataclass
 
 SUPPORTED_STREAMS = (2, 4, 8)
@@ -73,11 +73,19 @@ def unsupported_streams_message(n) -> str:
     return f"n = {n} residual streams is not supported; the mHC ops support n in {{{supported}}}"
 
 
-@functools.lru_cache(maxsize=None)
-def layout_for(n: int) -> MHCLayout:
-    """The record layout for n streams; NotImplementedError for an n outside SUPPORTED_STREAMS."""
-    if isinstance(n, bool) or n not in SUPPORTED_STREAMS:
+def layout_for(n) -> MHCLayout:
+    """The record layout for n streams (an int, or a traced size: it is specialized); NotImplementedError for an n
+    outside SUPPORTED_STREAMS."""
+    try:
+        key = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        key = None
+    if key not in _LAYOUTS:
         raise NotImplementedError(unsupported_streams_message(n))
+    return _LAYOUTS[key]
+
+
+def _layout(n: int) -> MHCLayout:
     M = 2 * n + n * n
     pre, post, comb = 0, n, 2 * n
     rstd = comb + n * n
@@ -88,6 +96,9 @@ def layout_for(n: int) -> MHCLayout:
     return MHCLayout(n=n, N_LOGITS=M, PRE=pre, POST=post, COMB=comb, RSTD=rstd, MIX=mix, STATS_USED=used,
                      STATS_WIDTH=_pow2_ceil(used), DPOST=dpost, DCOMB=dcomb, GRAD_STATS_USED=grad_used,
                      GRAD_STATS_WIDTH=_pow2_ceil(grad_used))
+
+
+_LAYOUTS = {n: _layout(n) for n in SUPPORTED_STREAMS}
 
 
 def stats_width(n: int) -> int:

@@ -144,11 +144,14 @@ class FinishConfig:
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
 
 
-# Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve): compiled for sm_90 with
-# triton 3.6 to no register spills at about n = 4's registers per thread; not yet measured on a GPU.
+# Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
+# (triton 3.6) to keep n = 4's rows in flight without spills; not yet measured on a GPU. dpre: n * dpre_block_t
+# = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
+# B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
+# one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
 STREAM_DEFAULTS = {
-    2: {},
-    8: {},
+    2: {"dpre_block_t": 64},
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2},
 }
 
 # Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an

@@ -188,18 +188,22 @@ class PrepareConfig:
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
-        T, _, C = X.shape
-        block_c = max(16, min(64, next_power_of_2(C)))
+        T, n, C = X.shape
+        # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider, so 16 columns per chunk and
+        # 64-token blocks with 3 stages: n = 4's shared memory (224 KB) and 128 registers (sm_90, triton 3.6;
+        # 128 x 64 tiles need 1 MB). Not yet measured on a GPU.
+        wide = n > 4
+        block_c = max(16, min(16 if wide else 64, next_power_of_2(C)))
         if not X.is_cuda:
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(X.device, 1 << 30, per_sm=1)  # the multiprocessor count
-            block_t = 128
+            block_t = 64 if wide else 128
             slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
             while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
-                          num_stages=3 if block_t >= 128 else 2, slices=slices)
+                          num_stages=3 if block_t >= 128 or wide else 2, slices=slices)
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod
