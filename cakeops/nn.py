@@ -61,7 +61,8 @@ class RMSNorm(nn.Module):
 class MHC(nn.Module):
     """One mHC layer around a branch: ``X [..., n, C] -> [..., n, C]`` = prepare -> ``branch(U)`` -> finish.
 
-    ``n_streams``: n, 2, 4 or 8 (other n raise NotImplementedError here, at construction). Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
+    ``n_streams``: n, 2, 4 or 8 (other n raise NotImplementedError here, at construction).
+    Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
     Initialised so the layer starts as a plain residual block: group scales 0.01 (the projection barely moves
     the logits), pre gates at 1/n (U is the mean of the streams), post gates at 1 (every stream receives the
     branch output) and a mixing matrix near the identity (diagonal logits 4).

@@ -1,8 +1,8 @@
 """A small decoder-only language model built from cakeops modules: the demo's model and the compile tests'.
 
-``TinyLM(..., hyper_connections=True)`` widens the residual stream to ``n_streams`` mHC streams (4; 2 or 8 too) (``StreamExpand`` ->
-``MHC`` around every attention and MLP branch -> ``MHCHead``); ``False`` gives the same model with plain
-residual connections, for comparison. Pre-norms are ``cakeops.nn.RMSNorm``.
+``TinyLM(..., hyper_connections=True)`` widens the residual stream to ``n_streams`` mHC streams (4; 2 or 8
+too) (``StreamExpand`` -> ``MHC`` around every attention and MLP branch -> ``MHCHead``); ``False`` gives the
+same model with plain residual connections, for comparison. Pre-norms are ``cakeops.nn.RMSNorm``.
 """
 import math
 

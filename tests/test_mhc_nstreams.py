@@ -47,7 +47,8 @@ def test_layout_per_n(n):
         assert width & (width - 1) == 0
     assert {2: (32, 8), 4: (64, 32), 8: (256, 128)}[n] == (L.STATS_WIDTH, L.GRAD_STATS_WIDTH)
     if n == 4:  # the module constants are n = 4's record, unchanged
-        assert (mhc_layout.STATS_WIDTH, mhc_layout.GRAD_STATS_WIDTH, mhc_layout.MIX, mhc_layout.RSTD) == (64, 32, 25, 24)
+        L4 = mhc_layout
+        assert (L4.STATS_WIDTH, L4.GRAD_STATS_WIDTH, L4.MIX, L4.RSTD) == (64, 32, 25, 24)
         assert L == mhc_layout.layout_for(mhc_layout.N_STREAMS)
 
 
@@ -193,7 +194,8 @@ def test_unsupported_n_raises_naming_the_supported_set(n):
     M = 2 * n + n * n
     X = torch.randn(T, n, C, device=DEVICE)
     fn, scale, base = torch.zeros(M, n * C, device=DEVICE), torch.ones(3, device=DEVICE), torch.zeros(M, device=DEVICE)
-    B, stats, gs = torch.zeros(T, C, device=DEVICE), torch.zeros(T, 64, device=DEVICE), torch.zeros(T, 32, device=DEVICE)
+    B = torch.zeros(T, C, device=DEVICE)
+    stats, gs = torch.zeros(T, 64, device=DEVICE), torch.zeros(T, 32, device=DEVICE)
     calls = {
         "forward_prepare": lambda: mhc.cake_mhc_train_forward_prepare(X, fn, scale, base),
         "forward_stats": lambda: mhc.cake_mhc_train_forward_stats(X, fn, scale, base),
