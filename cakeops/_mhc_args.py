@@ -5,16 +5,26 @@ from torch import Tensor
 from . import _checks
 from .meta import mhc_layout as layout
 
-N = layout.N_STREAMS
+N = layout.N_STREAMS  # the default stream count (n = 4)
 M = layout.N_LOGITS
 
 
+def n_streams(name: str, n) -> int:
+    """A stream count given as an argument (a module's ``n_streams``, the head backward's ``n``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name}: expected an int (the number of residual streams), got {type(n).__name__}")
+    if n not in layout.SUPPORTED_STREAMS:
+        raise NotImplementedError(f"{name}: {layout.unsupported_streams_message(n)}")
+    return n
+
+
 def streams(name: str, X, leading_dims: bool = False) -> Tensor:
-    """X-like [T, n, C] tensor ([..., n, C] with ``leading_dims``): n = 4 streams, C >= 1, float dtype."""
+    """X-like [T, n, C] tensor ([..., n, C] with ``leading_dims``): n in {2, 4, 8} streams, C >= 1, float dtype."""
     _checks.tensor(name, X, dtypes=_checks.FLOAT_DTYPES, **({"min_ndim": 3} if leading_dims else {"ndim": 3}))
-    if X.shape[-2] != N:
-        raise ValueError(f"{name}: expected n = {N} streams (shape [{'...' if leading_dims else 'T'}, {N}, C]), "
-                         f"got shape {tuple(X.shape)}")
+    if X.shape[-2] not in layout.SUPPORTED_STREAMS:
+        raise NotImplementedError(
+            f"{name}: {layout.unsupported_streams_message(X.shape[-2])} (shape [{'...' if leading_dims else 'T'}, n, "
+            f"C]), got shape {tuple(X.shape)}")
     if X.shape[-1] < 1:
         raise ValueError(f"{name}: expected a hidden size C >= 1, got shape {tuple(X.shape)}")
     return X
@@ -38,13 +48,14 @@ def mapping(X: Tensor, fn, scale, base) -> None:
     """fn, scale, base in any float dtype: FP32 as initialised, bf16/fp16 after ``model.to(dtype)`` or under an
     FSDP2 mixed-precision policy. The math is FP32 either way; gradients come back in each parameter's dtype."""
     T, n, C = X.shape
-    logits = f"{M} = 2n + n*n mapping logits for n = {n} streams"
-    like("fn", fn, X, (M, n * C), dtypes=_checks.FLOAT_DTYPES, per_token=False,
+    m = layout.n_logits(n)  # 2n + n*n
+    logits = f"{m} = 2n + n*n mapping logits for n = {n} streams"
+    like("fn", fn, X, (m, n * C), dtypes=_checks.FLOAT_DTYPES, per_token=False,
          hint=f": one row per logit ({logits}) and one column per element of a token's streams (n*C = {n}*{C}, "
               f"C = X.shape[-1]); was the mapping made for another hidden size?")
     like("scale", scale, X, (3,), dtypes=_checks.FLOAT_DTYPES, per_token=False,
          hint=": one scale per group of logits (pre, post, res)")
-    like("base", base, X, (M,), dtypes=_checks.FLOAT_DTYPES, per_token=False,
+    like("base", base, X, (m,), dtypes=_checks.FLOAT_DTYPES, per_token=False,
          hint=f": one offset per logit ({logits})")
 
 

@@ -1,7 +1,8 @@
 """mHC (manifold-constrained hyper-connections) training ops, FlashInfer ``cake_mhc_train``-compatible API.
 
-The residual stream is widened to n = 4 streams ``X [T, n, C]``. Per token, the RMS-normalized flattened
-streams are projected by ``fn [24, 4C]`` to logits that give the ``pre`` gates (collapse to the layer input
+The residual stream is widened to n streams ``X [T, n, C]``, n in {2, 4, 8} (4 is the usual choice; other n
+raise NotImplementedError). Per token, the RMS-normalized flattened streams are projected by
+``fn [2n + n*n, n*C]`` (``[24, 4C]`` for n = 4) to logits that give the ``pre`` gates (collapse to the layer input
 ``U = sum_i pre_i X_i``), the ``post`` gates and a doubly-stochastic mixing matrix ``comb`` (Sinkhorn), and the
 layer output is ``Y = post * B + comb^T X`` with ``B = branch(U)``.
 
@@ -73,8 +74,8 @@ def _workspace_for(name: str, workspace, X: Tensor, need, helper: str) -> Option
     return ws
 
 
-_FWD_HELPER = "cake_mhc_train_forward_workspace(T, device, hidden=C)"
-_BWD_HELPER = "cake_mhc_train_backward_workspace(T, device, hidden=C)"
+_FWD_HELPER = "cake_mhc_train_forward_workspace(T, device, hidden=C, n_streams=n)"
+_BWD_HELPER = "cake_mhc_train_backward_workspace(T, device, hidden=C, n_streams=n)"
 
 
 def _forward_need(X: Tensor):
@@ -87,7 +88,8 @@ def _forward_need(X: Tensor):
 def _backward_need(X: Tensor, sinkhorn_iters: int, deterministic: bool):
     def backward() -> int:
         from ._triton.mhc_backward import backward_finish_workspace_numel
-        return 4 * backward_finish_workspace_numel(X.shape[0], X.shape[2], sinkhorn_iters, X.device, deterministic)
+        return 4 * backward_finish_workspace_numel(X.shape[0], X.shape[2], sinkhorn_iters, X.device, deterministic,
+                                                   n=X.shape[1])
     return backward
 
 
@@ -97,25 +99,26 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
                                    workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Forward of one mHC layer up to the branch: ``(U, stats)`` (no autograd; see cake_mhc_train_prepare).
 
-    Per token, ``x = X[t]`` flattened (``4C``) is RMS-normalized and projected by ``fn`` to 24 logits, which give
-    the pre gates, the post gates and, through ``sinkhorn_iters`` Sinkhorn steps, the 4 x 4 mixing matrix.
+    Per token, ``x = X[t]`` flattened (``n*C``) is RMS-normalized and projected by ``fn`` to M = 2n + n*n logits
+    (24 for n = 4), which give the pre gates, the post gates and, through ``sinkhorn_iters`` Sinkhorn steps, the
+    n x n mixing matrix.
     ``U[t] = sum_i pre_i * X[t, i]`` is the branch's input.
 
     Args:
-        X: ``[T, 4, C]`` residual streams, bf16 / fp16 / fp32, any C >= 1, unit stride along C (other layouts
-            are copied once). T == 0 gives empty outputs.
-        fn: ``[24, 4C]`` mapping (column ``i*C + c`` reads ``X[t, i, c]``); scale: ``[3]`` (pre, post, res
-            group scales); base: ``[24]`` logit offsets. Any float dtype; the math is FP32.
+        X: ``[T, n, C]`` residual streams, n in {2, 4, 8} (others raise NotImplementedError), bf16 / fp16 /
+            fp32, any C >= 1, unit stride along C (other layouts are copied once). T == 0 gives empty outputs.
+        fn: ``[M, n*C]`` mapping (column ``i*C + c`` reads ``X[t, i, c]``; ``[24, 4C]`` for n = 4); scale:
+            ``[3]`` (pre, post, res group scales); base: ``[M]`` logit offsets. Any float dtype; the math is FP32.
         rms_eps, hc_eps: finite floats > 0 (defaults 1e-5, 1e-6). sinkhorn_iters: 1..64 (default 20; more
             raises NotImplementedError).
-        out: optional ``[T, C]`` buffer in X's dtype for U; stats_out: optional FP32 ``[T, 64]`` for stats
-            (contiguous, overwritten, returned).
+        out: optional ``[T, C]`` buffer in X's dtype for U; stats_out: optional FP32 ``[T, S]`` for stats
+            (S = 32 / 64 / 256 for n = 2 / 4 / 8; contiguous, overwritten, returned).
         workspace: optional caller-owned scratch (``cake_mhc_train_forward_workspace``): with it and the output
             buffers the call allocates nothing (CUDA-graph capture, static buffers). Unused by the CPU reference.
 
     Returns:
-        ``U [T, C]`` in X's dtype and ``stats [T, 64]`` FP32 (the record finish and the backward read: pre,
-        post, comb, rstd, mix; layout in ``cakeops.meta.mhc_layout``).
+        ``U [T, C]`` in X's dtype and ``stats [T, S]`` FP32 (the record finish and the backward read: pre,
+        post, comb, rstd, mix; layout in ``cakeops.meta.mhc_layout.layout_for(n)``).
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -127,7 +130,7 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
-    stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.STATS_WIDTH), dtype=torch.float32,
+    stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.stats_width(n)), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
     return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out, workspace=ws)
@@ -136,11 +139,11 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
 def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                                  hc_eps: float = 1e-6, sinkhorn_iters: int = 20, stats_out: Optional[Tensor] = None,
                                  workspace: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
-    """The ``stats [T, 64]`` FP32 record alone, bitwise equal to forward_prepare's (checkpoint replay: the
+    """The ``stats [T, S]`` FP32 record alone (S = 32 / 64 / 256 for n = 2 / 4 / 8), bitwise equal to forward_prepare's (checkpoint replay: the
     backward of a layer whose record was dropped).
 
     Arguments as in cake_mhc_train_forward_prepare (X, fn, scale, base; rms_eps, hc_eps > 0 with defaults 1e-5,
-    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, 64]`` contiguous buffer
+    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, S]`` contiguous buffer
     (``out`` is cakeops' older name for it, still accepted; give one of the two). ``workspace``: as in
     forward_prepare (the same layout and helper).
 
@@ -158,7 +161,7 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
         stats_out, name = out, "out"
     else:
         name = "stats_out"
-    stats_out = out_tensor(name, stats_out, shape=(X.shape[0], layout.STATS_WIDTH), dtype=torch.float32,
+    stats_out = out_tensor(name, stats_out, shape=(X.shape[0], layout.stats_width(X.shape[1])), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
     return ops.prepare_impl(X, fn, scale, base, *hp, stats=stats_out, write_U=False, workspace=ws)[1]
@@ -168,12 +171,12 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     """The layer output ``Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c])``.
 
     Args:
-        X: ``[T, 4, C]`` streams as given to forward_prepare; B: ``[T, C]`` the branch's output (any float
-            dtype); stats: FP32 ``[T, 64]`` from forward_prepare / forward_stats.
-        out: optional contiguous ``[T, 4, C]`` buffer in X's dtype.
+        X: ``[T, n, C]`` streams as given to forward_prepare (n in {2, 4, 8}); B: ``[T, C]`` the branch's
+            output (any float dtype); stats: FP32 ``[T, S]`` from forward_prepare / forward_stats.
+        out: optional contiguous ``[T, n, C]`` buffer in X's dtype.
 
     Returns:
-        ``Y [T, 4, C]`` in X's dtype (FP32 inside, rounded once).
+        ``Y [T, n, C]`` in X's dtype (FP32 inside, rounded once).
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -186,7 +189,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     args.streams("X", X)
     T, n, C = X.shape
     args.like("B", B, X, (T, C))
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
     return ops.finish_impl(X, B, stats, out)
 
@@ -195,7 +198,7 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     """The model's final collapse ``Y[t, c] = round((sum_i X[t, i, c]) / 4)``, summed in stream order from zero:
     bit for bit ``X.mean(1)`` on a GPU.
 
-    X: ``[T, 4, C]`` bf16 / fp16 / fp32; out: optional contiguous ``[T, C]`` buffer in X's dtype.
+    X: ``[T, n, C]`` (n in {2, 4, 8}) bf16 / fp16 / fp32; out: optional contiguous ``[T, C]`` buffer in X's dtype.
     Returns ``Y [T, C]`` in X's dtype.
 
     >>> X = torch.randn(5, 4, 32)
@@ -208,11 +211,14 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     return ops.head_forward_impl(X, out)
 
 
-def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
-    """The head's gradient ``dX[t, i, c] = round(dY[t, c] / 4)`` for each of the 4 streams.
+def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False,
+                                 n_streams: Optional[int] = None) -> Tensor:
+    """The head's gradient ``dX[t, i, c] = round(dY[t, c] / n)`` for each of the n streams.
 
-    dY: ``[T, C]`` bf16 / fp16 / fp32. dX: optional contiguous ``[T, 4, C]`` buffer in dY's dtype, overwritten,
-    or with ``accumulate=True`` (default False) added into (then required). Returns dX.
+    dY: ``[T, C]`` bf16 / fp16 / fp32. dX: optional contiguous ``[T, n, C]`` buffer in dY's dtype, overwritten,
+    or with ``accumulate=True`` (default False) added into (then required). Returns dX. ``n_streams`` (cakeops'
+    extension): n, the streams the head's forward collapsed (2, 4 or 8); dY does not tell it, so it comes from
+    here, else from a given ``dX``, else it is 4.
 
     >>> dX = cake_mhc_train_head_backward(torch.ones(5, 32))
     >>> dX.shape, dX[0, 0, 0].item()
@@ -220,11 +226,14 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
     """
     tensor("dY", dY, dtypes=FLOAT_DTYPES, ndim=2)
     args.flag("accumulate", accumulate)
+    if n_streams is None:
+        n_streams = dX.shape[1] if isinstance(dX, Tensor) and dX.dim() == 3 else args.N
+    n = args.n_streams("n_streams", n_streams)
     T, C = dY.shape
-    dX = out_tensor("dX", dX, shape=(T, args.N, C), dtype=dY.dtype, device=dY.device)
+    dX = out_tensor("dX", dX, shape=(T, n, C), dtype=dY.dtype, device=dY.device)
     if accumulate and dX is None:
         raise ValueError("dX: accumulate=True needs the dX to add into")
-    return ops.head_backward_impl(dY, args.N, dX, accumulate)
+    return ops.head_backward_impl(dY, n, dX, accumulate)
 
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
@@ -232,13 +241,13 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     """The finish node's backward, before the branch's: ``(dB, grad_stats)``.
 
     ``dB[t, c] = round(sum_j post_j * dY[t, j, c])`` is the gradient to send into the branch's backward;
-    ``grad_stats [T, 32]`` FP32 = ``dpost[4] | dcomb[16] | zeros`` (``dpost_j = sum_c dY[t,j,c]*B[t,c]``,
+    ``grad_stats [T, G]`` FP32 = ``dpost[n] | dcomb[n*n] | zeros`` (G = 8 / 32 / 128 for n = 2 / 4 / 8) (``dpost_j = sum_c dY[t,j,c]*B[t,c]``,
     ``dcomb_ij = sum_c X[t,i,c]*dY[t,j,c]``) is what backward_finish needs. No cross-token sum: deterministic.
 
     Args:
-        dY: ``[T, 4, C]`` gradient of Y in X's dtype; B: ``[T, C]`` the branch output of the forward;
-        X: ``[T, 4, C]`` the forward's streams; stats: FP32 ``[T, 64]`` of the forward.
-        dB: optional contiguous ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, 32]``.
+        dY: ``[T, n, C]`` gradient of Y in X's dtype; B: ``[T, C]`` the branch output of the forward;
+        X: ``[T, n, C]`` the forward's streams (n in {2, 4, 8}); stats: FP32 ``[T, S]`` of the forward.
+        dB: optional contiguous ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, G]``.
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -253,9 +262,9 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     T, n, C = X.shape
     args.like("dY", dY, X, X.shape)
     _check_branch_output("B", B, X)
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
     dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
-    grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.GRAD_STATS_WIDTH),
+    grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.grad_stats_width(n)),
                                 dtype=torch.float32, device=X.device)
     return ops.backward_prepare_impl(dY, B, X, stats,
                                      dB, grad_stats_out)
@@ -279,15 +288,15 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     Sinkhorn.
 
     Args:
-        X, dY: ``[T, 4, C]`` the forward's streams and Y's gradient; dU: ``[T, C]`` U's gradient from the
+        X, dY: ``[T, n, C]`` the forward's streams and Y's gradient (n in {2, 4, 8}); dU: ``[T, C]`` U's gradient from the
             branch's backward (X's dtype); B: the branch output ``[T, C]`` or None (checked when given, not read).
         fn, scale, base, rms_eps, hc_eps, sinkhorn_iters: those of the forward.
-        stats: FP32 ``[T, 64]`` of the forward (saved, or recomputed by forward_stats: same bits);
-        grad_stats: FP32 ``[T, 32]`` from backward_prepare.
+        stats: FP32 ``[T, S]`` of the forward (saved, or recomputed by forward_stats: same bits);
+        grad_stats: FP32 ``[T, G]`` from backward_prepare.
         accumulate: add into the given dfn, dscale, dbase (all three required) instead of overwriting them.
         workspace: optional caller-owned scratch (``cake_mhc_train_backward_workspace``); with it and dX, dfn,
             dscale, dbase given, the call allocates nothing. Unused by the CPU reference.
-        dX: optional contiguous ``[T, 4, C]`` in X's dtype; dfn ``[24, 4C]``, dscale ``[3]``, dbase ``[24]``:
+        dX: optional contiguous ``[T, n, C]`` in X's dtype; dfn ``[M, n*C]``, dscale ``[3]``, dbase ``[M]``:
             optional contiguous FP32 buffers.
         deterministic: (cakeops' extension, default True) fixed-order sums over the tokens, bitwise
             reproducible; False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
@@ -309,8 +318,8 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     args.like("dU", dU, X, (T, C))
     if B is not None:
         _check_branch_output("B", B, X)
-    args.stats("stats", stats, X, layout.STATS_WIDTH)
-    args.stats("grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
+    args.stats("stats", stats, X, layout.stats_width(n))
+    args.stats("grad_stats", grad_stats, X, layout.grad_stats_width(n))
     args.flag("deterministic", deterministic)
     args.flag("accumulate", accumulate)
     dX = out_tensor("dX", dX, shape=X.shape, dtype=X.dtype, device=X.device)
@@ -337,27 +346,29 @@ def _size_args(T, device, hidden) -> torch.device:
     return torch.device(device)
 
 
-def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096) -> int:
+def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096, n_streams: int = 4) -> int:
     """Bytes of the caller-owned forward workspace (forward_prepare, forward_stats, cake_mhc_train_prepare's
     ``workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` (X.shape[-1]) on
-    ``device``, any dtype of X. T == 0 needs none (0).
+    ``device``, any dtype of X, with ``n_streams`` streams (cakeops' extension: 2, 4 or 8, default 4). T == 0
+    needs none (0).
 
-    Layout (regions at 256-byte offsets): the bf16 hi / lo pieces of fn ``[2, 24, 4*hidden]`` (the projection
-    feeds them to tensor cores; used for bf16 X), then the projection's FP32 partials ``[slices, T, 32]``
-    (``slices``: column slices per token block, 1 to 8, more when T is small next to the GPU). About
-    ``384*hidden + 128*T*slices`` bytes. The kernels write before they read: no zeroing needed.
+    Layout (regions at 256-byte offsets): the bf16 hi / lo pieces of fn ``[2, M, n*hidden]`` (M = 2n + n*n; the
+    projection feeds them to tensor cores; used for bf16 X), then the projection's FP32 partials
+    ``[slices, T, M_PAD]`` (M_PAD = 16 / 32 / 128 for n = 2 / 4 / 8; ``slices``: column slices per token block,
+    1 to 8, more when T is small next to the GPU). For n = 4 about ``384*hidden + 128*T*slices`` bytes. The kernels write before they read: no zeroing needed.
 
     >>> cake_mhc_train_forward_workspace_bytes(1024, "cpu", hidden=4096) > 0
     True
     """
     from ._triton.mhc_prepare import workspace_bytes_max
 
-    return workspace_bytes_max(T, layout.N_STREAMS, hidden, _size_args(T, device, hidden))
+    device = _size_args(T, device, hidden)
+    return workspace_bytes_max(T, args.n_streams("n_streams", n_streams), hidden, device)
 
 
-def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096) -> Tensor:
+def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096, n_streams: int = 4) -> Tensor:
     """A zero-filled uint8 forward workspace of ``cake_mhc_train_forward_workspace_bytes(T, device,
-    hidden=hidden)`` bytes on ``device``: reusable by every later forward call of at most T tokens.
+    hidden=hidden, n_streams=n_streams)`` bytes on ``device``: reusable by every later forward call of at most T tokens.
 
     >>> ws = cake_mhc_train_forward_workspace(5, "cpu", hidden=32)
     >>> X = torch.randn(5, 4, 32, dtype=torch.bfloat16)
@@ -366,19 +377,21 @@ def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096) -> T
     >>> ws.dtype, U.shape
     (torch.uint8, torch.Size([5, 32]))
     """
-    return torch.zeros(cake_mhc_train_forward_workspace_bytes(T, device, hidden=hidden), dtype=torch.uint8,
-                       device=device)
+    return torch.zeros(cake_mhc_train_forward_workspace_bytes(T, device, hidden=hidden, n_streams=n_streams),
+                       dtype=torch.uint8, device=device)
 
 
 def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 4096,
-                                            sinkhorn_iters: Optional[int] = None, deterministic: bool = True) -> int:
+                                            sinkhorn_iters: Optional[int] = None, deterministic: bool = True,
+                                            n_streams: int = 4) -> int:
     """Bytes of the caller-owned backward workspace (backward_finish's ``workspace``, cake_mhc_train_prepare's
     ``backward_workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` on ``device``.
 
-    Layout (FP32, one region after the other): per-token ``dz`` rows ``[T, 32]`` | the dlogits kernel's
-    per-program dscale/dbase partials ``[P, 64]`` | its Sinkhorn scratch ``[P, 2*iters - 1, 8, 16]`` (P
-    persistent programs, at most 64 MiB in all) | the dfn partials ``[splits, 24, 4*hidden]`` (deterministic
-    only) | the dpre partials ``[slices, T, 4]``. cakeops' extensions (keywords FlashInfer lacks):
+    Layout (FP32, one region after the other; n = 4 shown, M_PAD = 16 / 32 / 128 and M = 2n + n*n in general):
+    per-token ``dz`` rows ``[T, 32]`` | the dlogits kernel's per-program dscale/dbase partials ``[P, 64]`` | its
+    Sinkhorn scratch ``[P, 2*iters - 1, 8, 16]`` (P persistent programs, at most 64 MiB in all) | the dfn
+    partials ``[splits, 24, 4*hidden]`` (deterministic only) | the dpre partials ``[slices, T, 4]``. cakeops'
+    extensions (keywords FlashInfer lacks): ``n_streams`` (2, 4 or 8, default 4),
     ``sinkhorn_iters`` (None: sized for every count 1..64; give the count to size it for that count alone) and
     ``deterministic`` (False needs no dfn partials; a deterministic workspace serves both).
 
@@ -391,20 +404,21 @@ def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 409
     if sinkhorn_iters is not None:
         args.hparams(1.0, 1.0, sinkhorn_iters)
     args.flag("deterministic", deterministic)
-    return backward_finish_workspace_bytes_max(T, hidden, device, deterministic, sinkhorn_iters)
+    return backward_finish_workspace_bytes_max(T, hidden, device, deterministic, sinkhorn_iters,
+                                               n=args.n_streams("n_streams", n_streams))
 
 
 def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sinkhorn_iters: Optional[int] = None,
-                                      deterministic: bool = True) -> Tensor:
+                                      deterministic: bool = True, n_streams: int = 4) -> Tensor:
     """A zero-filled uint8 backward workspace of ``cake_mhc_train_backward_workspace_bytes(T, device,
-    hidden=hidden, sinkhorn_iters=sinkhorn_iters, deterministic=deterministic)`` bytes on ``device``, reusable by
+    hidden=hidden, sinkhorn_iters=sinkhorn_iters, deterministic=deterministic, n_streams=n_streams)`` bytes on ``device``, reusable by
     every later backward call of at most T tokens.
 
     >>> cake_mhc_train_backward_workspace(5, "cpu", hidden=32).dtype
     torch.uint8
     """
     return torch.zeros(cake_mhc_train_backward_workspace_bytes(T, device, hidden=hidden, sinkhorn_iters=sinkhorn_iters,
-                                                               deterministic=deterministic),
+                                                               deterministic=deterministic, n_streams=n_streams),
                        dtype=torch.uint8, device=device)
 
 
@@ -536,7 +550,8 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs (autograd).
 
     X: the residual streams ``[..., n, C]`` (any leading dims, e.g. ``[batch, seq, 4, C]``), bf16, fp16 or fp32,
-    n = 4. fn ``[24, 4*C]``, scale ``[3]``, base ``[24]``: the mapping, in any float dtype (the math is FP32).
+    n in {2, 4, 8}. fn ``[M, n*C]``, scale ``[3]``, base ``[M]`` with M = 2n + n*n (``[24, 4*C]`` and ``[24]`` for
+    n = 4): the mapping, in any float dtype (the math is FP32).
     rms_eps, hc_eps: finite floats > 0 (defaults 1e-5, 1e-6); sinkhorn_iters: 1..64 (default 20). U is
     ``[..., C]`` in X's dtype. ``save_stats=False`` keeps only X for the backward and recomputes the stats there
     (same bits). ``workspace`` / ``backward_workspace``: optional caller-owned scratch of the forward (and of a
@@ -577,7 +592,7 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
 def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tensor:
     """``Y = post * B + comb^T X`` with autograd; ``handle`` from the prepare of this same X, used once.
 
-    X ``[..., 4, C]`` (the very tensor given to cake_mhc_train_prepare) and B ``[..., C]`` (the branch's output,
+    X ``[..., n, C]`` (the very tensor given to cake_mhc_train_prepare) and B ``[..., C]`` (the branch's output,
     any float dtype) with the same leading dims; Y has X's shape and dtype (and is no view). Its backward
     returns dB to the branch and no gradient for X: X's whole gradient is written once by the prepare node.
 
@@ -606,7 +621,7 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
 
 
 def cake_mhc_train_head(X: Tensor) -> Tensor:
-    """The model's final collapse of the streams, with autograd: ``[..., 4, C] -> [..., C]``, the mean over the
+    """The model's final collapse of the streams, with autograd: ``[..., n, C] -> [..., C]``, the mean over the
     streams (bit for bit ``X.mean(-2)`` on a GPU); bf16 / fp16 / fp32. Its backward saves no tensor.
 
     >>> X = torch.randn(2, 5, 4, 32, requires_grad=True)
@@ -622,13 +637,14 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
 
 def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
     """True where the layer ops run on ``device``: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
-    ``hidden`` (C, optional): any int >= 1; ``n_streams`` (cakeops' extension): 4.
+    ``hidden`` (C, optional): any int >= 1; ``n_streams`` (cakeops' extension): 2, 4 or 8.
 
     >>> is_cake_mhc_train_supported("cpu", hidden=4096), is_cake_mhc_train_supported("cpu", hidden=0)
     (True, False)
     """
     from .cake_rmsnorm_train import is_cake_rmsnorm_train_supported
-    return n_streams == layout.N_STREAMS and is_cake_rmsnorm_train_supported(device, hidden)
+    supported = not isinstance(n_streams, bool) and n_streams in layout.SUPPORTED_STREAMS
+    return supported and is_cake_rmsnorm_train_supported(device, hidden)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ class RMSNorm(nn.Module):
 class MHC(nn.Module):
     """One mHC layer around a branch: ``X [..., n, C] -> [..., n, C]`` = prepare -> ``branch(U)`` -> finish.
 
+    ``n_streams``: n, 2, 4 or 8 (other n raise NotImplementedError here, at construction).
     Owns the mapping ``fn [2n + n*n, n*C]``, the group ``scale [3]`` and ``base [2n + n*n]`` (FP32 parameters).
     Initialised so the layer starts as a plain residual block: group scales 0.01 (the projection barely moves
     the logits), pre gates at 1/n (U is the mean of the streams), post gates at 1 (every stream receives the
@@ -85,10 +86,10 @@ class MHC(nn.Module):
                  rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, save_stats: bool = True,
                  keep_fp32_mapping: bool = False, device=None):
         super().__init__()
+        from . import _mhc_args
         from .meta import mhc_layout as layout
 
-        if n_streams != layout.N_STREAMS:
-            raise NotImplementedError(f"n_streams: only {layout.N_STREAMS} streams are supported, got {n_streams}")
+        _mhc_args.n_streams("n_streams", n_streams)
         if not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
         n, C = n_streams, hidden_size
@@ -97,9 +98,10 @@ class MHC(nn.Module):
         self.sinkhorn_iters, self.rms_eps, self.hc_eps = sinkhorn_iters, rms_eps, hc_eps
         self.deterministic, self.save_stats = deterministic, save_stats
         self.keep_fp32_mapping = keep_fp32_mapping
-        self.fn = nn.Parameter(torch.randn(layout.N_LOGITS, n * C, device=device) / (n * C) ** 0.5)
+        M = layout.n_logits(n)
+        self.fn = nn.Parameter(torch.randn(M, n * C, device=device) / (n * C) ** 0.5)
         self.scale = nn.Parameter(torch.full((3,), 0.01, device=device))
-        base = torch.zeros(layout.N_LOGITS, device=device)
+        base = torch.zeros(M, device=device)
         base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
         base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
         self.base = nn.Parameter(base)
@@ -145,11 +147,14 @@ class MHC(nn.Module):
 
 
 class StreamExpand(nn.Module):
-    """``[..., C] -> [..., n, C]``: the embedding copied into n residual streams (backward: the sum over streams)."""
+    """``[..., C] -> [..., n, C]``: the embedding copied into n residual streams (backward: the sum over streams).
+    ``n_streams``: 2, 4 or 8, the mHC layers' n (others raise NotImplementedError at construction)."""
 
     def __init__(self, n_streams: int = 4):
         super().__init__()
-        self.n_streams = n_streams
+        from . import _mhc_args
+
+        self.n_streams = _mhc_args.n_streams("n_streams", n_streams)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
@@ -165,15 +170,16 @@ class MHCHead(nn.Module):
     ``hidden_size`` (C) and owns the parameters ``fn [n, n*C]``, ``scale [1]`` and ``base [n]``, initialised so
     the head starts as (nearly) the plain mean: fn ~ N(0, 1/(n*C)), scale 0.01 (the projection barely moves the
     gates) and base = -log(n - 1), so every gate starts at sigmoid(base) + hc_eps = 1/n + hc_eps.
-    ``n_streams`` in 2, 4, 8; ``rms_eps``, ``hc_eps`` finite floats > 0; ``deterministic=False`` sums the
+    ``n_streams``: 2, 4 or 8 (checked at construction; others raise NotImplementedError); None (the default)
+    lets the plain head take n from each input and gives the gated head 4. ``rms_eps``, ``hc_eps`` finite floats > 0; ``deterministic=False`` sums the
     parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32 by default; the math is FP32
     either way and their gradients come back in their dtype).
     """
 
-    def __init__(self, *, gated: bool = False, hidden_size: Optional[int] = None, n_streams: int = 4,
+    def __init__(self, n_streams: Optional[int] = None, *, gated: bool = False, hidden_size: Optional[int] = None,
                  rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, device=None, dtype=None):
         super().__init__()
-        from .meta.mhc_head_layout import SUPPORTED_N
+        from . import _mhc_args
 
         if not isinstance(gated, bool):
             raise TypeError(f"gated: expected a bool, got {type(gated).__name__}")
@@ -181,6 +187,7 @@ class MHCHead(nn.Module):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
         self.gated = gated
         self.deterministic = deterministic
+        self.n_streams = None if n_streams is None else _mhc_args.n_streams("n_streams", n_streams)
         if not gated:
             if hidden_size is not None:
                 raise ValueError("hidden_size: the plain head (gated=False) has no parameters and takes no hidden "
@@ -188,11 +195,9 @@ class MHCHead(nn.Module):
             return
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size: the gated head needs the hidden size C, an int >= 1, got {hidden_size!r}")
-        if n_streams not in SUPPORTED_N:
-            raise NotImplementedError(f"n_streams: the gated head supports {SUPPORTED_N} streams, got {n_streams!r}")
         self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
         self.hc_eps = _checks.positive_float("hc_eps", hc_eps)
-        n, C = n_streams, hidden_size
+        n, C = self.n_streams or 4, hidden_size
         self.hidden_size, self.n_streams = C, n
         self.fn = nn.Parameter((torch.randn(n, n * C, device=device) / (n * C) ** 0.5).to(dtype or torch.float32))
         self.scale = nn.Parameter(torch.full((1,), 0.01, device=device, dtype=dtype or torch.float32))
@@ -202,6 +207,10 @@ class MHCHead(nn.Module):
         from .cake_mhc_train import cake_mhc_train_gated_head, cake_mhc_train_head
 
         if not self.gated:
+            n = self.n_streams
+            if n is not None and isinstance(X, torch.Tensor) and X.dim() >= 3 and X.shape[-2] != n:
+                raise ValueError(f"MHCHead: expected the residual streams [..., {n}, C] (n_streams), "
+                                 f"got {tuple(X.shape)}")
             return cake_mhc_train_head(X)  # [..., C], the op's own output, not a view (FSDP2 hooks module outputs)
         n, C = self.n_streams, self.hidden_size
         if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
@@ -213,6 +222,6 @@ class MHCHead(nn.Module):
 
     def extra_repr(self) -> str:
         if not self.gated:
-            return ""
+            return "" if self.n_streams is None else f"n_streams={self.n_streams}"
         return (f"gated=True, hidden_size={self.hidden_size}, n_streams={self.n_streams}, rms_eps={self.rms_eps}, "
                 f"hc_eps={self.hc_eps}")

@@ -1,8 +1,8 @@
 """A small decoder-only language model built from cakeops modules: the demo's model and the compile tests'.
 
-``TinyLM(..., hyper_connections=True)`` widens the residual stream to 4 mHC streams (``StreamExpand`` ->
-``MHC`` around every attention and MLP branch -> ``MHCHead``); ``False`` gives the same model with plain
-residual connections, for comparison. Pre-norms are ``cakeops.nn.RMSNorm``.
+``TinyLM(..., hyper_connections=True)`` widens the residual stream to ``n_streams`` mHC streams (4; 2 or 8
+too) (``StreamExpand`` -> ``MHC`` around every attention and MLP branch -> ``MHCHead``); ``False`` gives the
+same model with plain residual connections, for comparison. Pre-norms are ``cakeops.nn.RMSNorm``.
 """
 import math
 
@@ -64,7 +64,7 @@ class Residual(nn.Module):
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 256,
-                 hyper_connections: bool = True, sinkhorn_iters: int = 20):
+                 hyper_connections: bool = True, sinkhorn_iters: int = 20, n_streams: int = 4):
         super().__init__()
         self.hyper_connections = hyper_connections
         self.embed = nn.Embedding(vocab, dim)
@@ -73,9 +73,10 @@ class TinyLM(nn.Module):
         for _ in range(layers):
             for branch in (CausalSelfAttention(dim, heads), MLP(dim)):
                 body = PreNorm(dim, branch)
-                blocks.append(MHC(body, dim, sinkhorn_iters=sinkhorn_iters) if hyper_connections else Residual(body))
+                blocks.append(MHC(body, dim, n_streams, sinkhorn_iters=sinkhorn_iters) if hyper_connections
+                              else Residual(body))
         self.blocks = nn.ModuleList(blocks)
-        self.expand = StreamExpand() if hyper_connections else nn.Identity()
+        self.expand = StreamExpand(n_streams) if hyper_connections else nn.Identity()
         self.head = MHCHead() if hyper_connections else nn.Identity()
         self.norm = RMSNorm(dim, eps=1e-6)
         self.lm_head = nn.Linear(dim, vocab, bias=False)

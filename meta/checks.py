@@ -68,17 +68,23 @@ def streams(op: str, name: str, X, leading_dims: bool = False) -> None:
     if X.dim() != 3 and not (leading_dims and X.dim() > 3):
         raise ValueError(f"{op}: {name}: expected a {'[..., n, C]' if leading_dims else '3-D [T, n, C]'} tensor, "
                          f"got shape {tuple(X.shape)}")
-    if X.shape[-2] != layout.N_STREAMS:
-        raise ValueError(f"{op}: {name}: expected {layout.N_STREAMS} streams ([T, {layout.N_STREAMS}, C]), "
-                         f"got shape {tuple(X.shape)}")
+    if X.shape[-2] not in layout.SUPPORTED_STREAMS:
+        raise NotImplementedError(f"{op}: {name}: {layout.unsupported_streams_message(X.shape[-2])} "
+                                  f"(X is [T, n, C]), got shape {tuple(X.shape)}")
+
+
+def n_streams(X) -> int:
+    """X's stream count as a plain int (a traced size is specialized: each n is its own kernel)."""
+    return int(X.shape[-2])
 
 
 def mapping(op: str, X, fn, scale, base) -> None:
     """Parameters in any float dtype (mixed precision casts them); the ops compute in FP32 whatever it is."""
     T, n, C = X.shape
-    tensor(op, "fn", fn, shape=(layout.N_LOGITS, n * C), dtypes=FLOAT_DTYPES, device=X.device)
+    M = layout.n_logits(n_streams(X))
+    tensor(op, "fn", fn, shape=(M, n * C), dtypes=FLOAT_DTYPES, device=X.device)
     tensor(op, "scale", scale, shape=(3,), dtypes=FLOAT_DTYPES, device=X.device)
-    tensor(op, "base", base, shape=(layout.N_LOGITS,), dtypes=FLOAT_DTYPES, device=X.device)
+    tensor(op, "base", base, shape=(M,), dtypes=FLOAT_DTYPES, device=X.device)
 
 
 def hparams(op: str, rms_eps, hc_eps, sinkhorn_iters) -> None:
@@ -109,13 +115,13 @@ def mhc_prepare(op: str, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) ->
 def mhc_finish(op: str, X, B, stats, leading_dims: bool = True) -> None:
     streams(op, "X", X, leading_dims)
     branch(op, "B", B, X)
-    record(op, "stats", stats, X, layout.STATS_WIDTH)
+    record(op, "stats", stats, X, layout.stats_width(n_streams(X)))
 
 
 def mhc_head_bwd(op: str, dY, n) -> None:
     tensor(op, "dY", dY, ndim=2, dtypes=FLOAT_DTYPES)
-    if n != layout.N_STREAMS:
-        raise ValueError(f"{op}: n: expected {layout.N_STREAMS} streams, got {n}")
+    if n not in layout.SUPPORTED_STREAMS:
+        raise NotImplementedError(f"{op}: n: {layout.unsupported_streams_message(n)}")
 
 
 def mhc_backward_prepare(op: str, dY, B, X, stats) -> None:
@@ -128,8 +134,8 @@ def mhc_backward_finish(op: str, X, dY, dU, fn, scale, base, stats, grad_stats, 
     mhc_prepare(op, X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     tensor(op, "dY", dY, shape=tuple(X.shape), dtypes=(X.dtype,), device=X.device)
     branch(op, "dU", dU, X, same_dtype=True)
-    record(op, "stats", stats, X, layout.STATS_WIDTH)
-    record(op, "grad_stats", grad_stats, X, layout.GRAD_STATS_WIDTH)
+    record(op, "stats", stats, X, layout.stats_width(n_streams(X)))
+    record(op, "grad_stats", grad_stats, X, layout.grad_stats_width(n_streams(X)))
 
 
 # ---- the gated head (meta/mhc_head_layout.py) ----

@@ -1,27 +1,28 @@
 """Fake implementations of the mHC ops: output shapes, dtypes and strides only.
 
-X, dY: [T, n, C] (finish and head: [..., n, C], any leading dims); B, U, dU: [T, C] (finish: [..., C]); fn [M, n*C], scale [3], base [M] (any float dtype; their gradients FP32); stats [T, STATS_WIDTH] and
-grad_stats [T, GRAD_STATS_WIDTH] FP32 (layout: mhc_layout.py). Outputs are fresh and contiguous, except the
+X, dY: [T, n, C] (finish and head: [..., n, C], any leading dims); B, U, dU: [T, C] (finish: [..., C]); fn [M, n*C], scale [3], base [M] (any float dtype; their gradients FP32); stats [T, STATS_WIDTH(n)] and
+grad_stats [T, GRAD_STATS_WIDTH(n)] FP32 (layout: mhc_layout.py, n in {2, 4, 8}). Outputs are fresh and contiguous, except the
 two *edges* of the training prepare op, which carry no data (see ``edges``).
 """
 import torch
 
 from . import checks
-from .mhc_layout import GRAD_STATS_WIDTH, STATS_WIDTH
+from .mhc_layout import grad_stats_width, stats_width
 
 
 def edges(X: torch.Tensor):
     """The prepare node's two outputs that exist only to be the finish node's inputs, so that the finish
     node's backward can hand ``dY`` and ``grad_stats`` to the prepare node as their gradients.
 
-    They must have the gradients' shapes ([T, n, C] and [T, GRAD_STATS_WIDTH]) but hold nothing: every
+    They must have the gradients' shapes ([T, n, C] and [T, GRAD_STATS_WIDTH(n)]) but hold nothing: every
     stride is 0, so each is one element of storage (zeroed, so the op's outputs are deterministic) and costs
     no HBM traffic. The zeroing writes that one element through a one-element view: ``zero_()`` on the
     zero-stride tensor itself would visit all T*n*C positions (a 268M-element fill at T=16384, C=4096).
     """
     T, n, C = X.shape
     e_dy = torch.empty_strided((T, n, C), (0, 0, 0), dtype=X.dtype, device=X.device)
-    e_gs = torch.empty_strided((T, GRAD_STATS_WIDTH), (0, 0), dtype=torch.float32, device=X.device)
+    e_gs = torch.empty_strided((T, grad_stats_width(checks.n_streams(X))), (0, 0), dtype=torch.float32,
+                               device=X.device)
     for e in (e_dy, e_gs):
         if e.numel():
             e.as_strided((1,), (1,)).zero_()
@@ -29,7 +30,7 @@ def edges(X: torch.Tensor):
 
 
 def _stats(X):
-    return torch.empty((X.shape[0], STATS_WIDTH), dtype=torch.float32, device=X.device)
+    return torch.empty((X.shape[0], stats_width(checks.n_streams(X))), dtype=torch.float32, device=X.device)
 
 
 def mhc_prepare(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int, deterministic: bool):
@@ -63,7 +64,7 @@ def mhc_backward_prepare(dY, B, X, stats):
     checks.mhc_backward_prepare("cakeops::mhc_backward_prepare", dY, B, X, stats)
     T, n, C = X.shape
     return (torch.empty((T, C), dtype=B.dtype, device=X.device),
-            torch.empty((T, GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device))
+            torch.empty((T, grad_stats_width(checks.n_streams(X))), dtype=torch.float32, device=X.device))
 
 
 def mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps: float, hc_eps: float,

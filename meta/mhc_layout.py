@@ -1,39 +1,132 @@
 """The mHC per-token records, defined once: kernels, reference math and fakes all index through here.
 
-``stats [T, STATS_WIDTH]`` FP32, written by forward_prepare / forward_stats (n = 4 streams, M = 24 logits):
+n residual streams, n in SUPPORTED_STREAMS = (2, 4, 8); M = 2n + n*n mapping logits. ``layout_for(n)`` gives
+the columns of both records for n; the module-level constants below are n = 4's (``layout_for(4)``), kept for
+the code that predates other n.
 
-    columns            what
-    PRE   0..3         pre_i  = sigmoid(mix_i*scale[0] + base_i) + hc_eps
-    POST  4..7         post_j = 2*sigmoid(mix_{n+j}*scale[1] + base_{n+j})
-    COMB  8..23        comb[i, j] at 8 + i*n + j  (Sinkhorn output, doubly stochastic)
-    RSTD  24           1/sqrt(mean(x^2) + rms_eps) over the K = n*C flattened streams
-    MIX   25..48       mix_m = rstd * (fn @ x)_m, the normalized logits before scale/base
-    49..63             zero (padding to 64 floats = 256 bytes per token)
+``stats [T, STATS_WIDTH]`` FP32, written by forward_prepare / forward_stats:
 
-``mix`` is kept so the backward never recomputes ``fn @ x``: dscale needs it and the Sinkhorn
-backward replays the 4x4 iteration from it (cheap, per token, in registers).
+    columns                       what
+    PRE   0 .. n-1                pre_i  = sigmoid(mix_i*scale[0] + base_i) + hc_eps
+    POST  n .. 2n-1               post_j = 2*sigmoid(mix_{n+j}*scale[1] + base_{n+j})
+    COMB  2n .. 2n+n*n-1          comb[i, j] at COMB + i*n + j  (Sinkhorn output, doubly stochastic)
+    RSTD  2n+n*n (= M)            1/sqrt(mean(x^2) + rms_eps) over the K = n*C flattened streams
+    MIX   M+1 .. 2M               mix_m = rstd * (fn @ x)_m, the normalized logits before scale/base
+    STATS_USED = 2M+1 .. WIDTH-1  zero (padding)
+
+    n   M    PRE  POST  COMB  RSTD  MIX  STATS_USED  STATS_WIDTH
+    2   8    0    2     4     8     9    17          32   (128 bytes per token)
+    4   24   0    4     8     24    25   49          64   (256 bytes)
+    8   80   0    8     16    80    81   161         256  (1 KiB)
+
+``mix`` is kept so the backward never recomputes ``fn @ x``: dscale needs it and the Sinkhorn backward replays
+the n x n iteration from it (cheap, per token, in registers).
 
 ``grad_stats [T, GRAD_STATS_WIDTH]`` FP32, written by backward_prepare:
 
-    DPOST   0..3       dpost_j    = sum_c dY[t,j,c]*B[t,c]
-    DCOMB   4..19      dcomb[i,j] = sum_c X[t,i,c]*dY[t,j,c] at 4 + i*n + j
-    20..31             zero
+    DPOST   0 .. n-1               dpost_j    = sum_c dY[t,j,c]*B[t,c]
+    DCOMB   n .. n+n*n-1           dcomb[i,j] = sum_c X[t,i,c]*dY[t,j,c] at DCOMB + i*n + j
+    GRAD_STATS_USED .. WIDTH-1     zero
+
+    n   DPOST  DCOMB  GRAD_STATS_USED  GRAD_STATS_WIDTH
+    2   0      2      6                8     (32 bytes per token)
+    4   0      4      20               32    (128 bytes)
+    8   0      8      72               128   (512 bytes)
+
+Widths: the used columns rounded up to a power of two. A power of two because the kernels address a whole row
+with ``tl.arange(0, WIDTH)`` (which needs one) to zero the padding in the same pass, and rows then start on
+aligned 32-byte sectors; the smallest such width, because every stats byte is read by finish, backward_prepare and
+backward_finish and kept as activation memory between forward and backward (n = 8: 1 KiB per token, 1/64 of X
+at C = 4096 in bf16). n = 4's widths (64, 32) are the record's original ones, unchanged.
 """
+import operator
+from dataclasses import dataclass
 
-N_STREAMS = 4
-N_LOGITS = 2 * N_STREAMS + N_STREAMS * N_STREAMS  # 24
-
-PRE = 0
-POST = PRE + N_STREAMS  # 4
-COMB = POST + N_STREAMS  # 8
-RSTD = COMB + N_STREAMS * N_STREAMS  # 24
-MIX = RSTD + 1  # 25
-STATS_USED = MIX + N_LOGITS  # 49
-STATS_WIDTH = 64
-
-DPOST = 0
-DCOMB = DPOST + N_STREAMS  # 4
-GRAD_STATS_USED = DCOMB + N_STREAMS * N_STREAMS  # 20
-GRAD_STATS_WIDTH = 32
-
+SUPPORTED_STREAMS = (2, 4, 8)
 MAX_SINKHORN_ITERS = 64
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class MHCLayout:
+    """The column offsets of the stats and grad_stats records for n streams (module docstring)."""
+    n: int
+    N_LOGITS: int
+    PRE: int
+    POST: int
+    COMB: int
+    RSTD: int
+    MIX: int
+    STATS_USED: int
+    STATS_WIDTH: int
+    DPOST: int
+    DCOMB: int
+    GRAD_STATS_USED: int
+    GRAD_STATS_WIDTH: int
+
+
+def unsupported_streams_message(n) -> str:
+    supported = ", ".join(map(str, SUPPORTED_STREAMS))
+    return f"n = {n} residual streams is not supported; the mHC ops support n in {{{supported}}}"
+
+
+def layout_for(n) -> MHCLayout:
+    """The record layout for n streams (an int, or a traced size: it is specialized); NotImplementedError for an n
+    outside SUPPORTED_STREAMS."""
+    try:
+        key = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        key = None
+    if key not in _LAYOUTS:
+        raise NotImplementedError(unsupported_streams_message(n))
+    return _LAYOUTS[key]
+
+
+def _layout(n: int) -> MHCLayout:
+    M = 2 * n + n * n
+    pre, post, comb = 0, n, 2 * n
+    rstd = comb + n * n
+    mix = rstd + 1
+    used = mix + M
+    dpost, dcomb = 0, n
+    grad_used = dcomb + n * n
+    return MHCLayout(n=n, N_LOGITS=M, PRE=pre, POST=post, COMB=comb, RSTD=rstd, MIX=mix, STATS_USED=used,
+                     STATS_WIDTH=_pow2_ceil(used), DPOST=dpost, DCOMB=dcomb, GRAD_STATS_USED=grad_used,
+                     GRAD_STATS_WIDTH=_pow2_ceil(grad_used))
+
+
+_LAYOUTS = {n: _layout(n) for n in SUPPORTED_STREAMS}
+
+
+def stats_width(n: int) -> int:
+    return layout_for(n).STATS_WIDTH
+
+
+def grad_stats_width(n: int) -> int:
+    return layout_for(n).GRAD_STATS_WIDTH
+
+
+def n_logits(n: int) -> int:
+    return layout_for(n).N_LOGITS
+
+
+# n = 4, the default (and until n became a parameter, the only) stream count
+N_STREAMS = 4
+_L4 = layout_for(N_STREAMS)
+N_LOGITS = _L4.N_LOGITS  # 24
+
+PRE = _L4.PRE  # 0
+POST = _L4.POST  # 4
+COMB = _L4.COMB  # 8
+RSTD = _L4.RSTD  # 24
+MIX = _L4.MIX  # 25
+STATS_USED = _L4.STATS_USED  # 49
+STATS_WIDTH = _L4.STATS_WIDTH  # 64
+
+DPOST = _L4.DPOST  # 0
+DCOMB = _L4.DCOMB  # 4
+GRAD_STATS_USED = _L4.GRAD_STATS_USED  # 20
+GRAD_STATS_WIDTH = _L4.GRAD_STATS_WIDTH  # 32

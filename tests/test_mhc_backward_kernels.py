@@ -251,18 +251,20 @@ def test_accumulate_adds_into_parameter_grads(triton_kernels, gen, deterministic
 
 @pytest.mark.parametrize("P", [1, 7, 600], ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
-def test_params_reduce_sums_every_partial_row(triton_kernels, gen, P, accumulate):
+@pytest.mark.parametrize("N", [N_STREAMS, 2, 8], ids=lambda n: f"n{n}")
+def test_params_reduce_sums_every_partial_row(triton_kernels, gen, P, accumulate, N):
     """dbase / dscale from kernel A's partial rows (more rows than one block of the reduction at P = 600): the
     padding columns, which kernel A leaves unwritten, are poisoned and never read."""
-    from cakeops._triton.mhc_backward_finish import M_PAD, reduce_params
+    from cakeops._triton.mhc_backward_finish import reduce_params
+    from cakeops._triton.mhc_columns import logits_pad
 
-    M = N_LOGITS
+    M, M_PAD = 2 * N + N * N, logits_pad(N)
     part = randn(gen, P, 2 * M_PAD, dtype=torch.float32)
     part[:, M:M_PAD] = float("nan")
     part[:, M_PAD + M:] = float("nan")
     given_base, given_scale = randn(gen, M, dtype=torch.float32), randn(gen, 3, dtype=torch.float32)
     dbase, dscale = given_base.clone(), given_scale.clone()
-    reduce_params(part, dbase, dscale, P, accumulate)
+    reduce_params(part, dbase, dscale, P, accumulate, N)
     ref_base = part[:, :M].double().sum(0)
     per_logit = part[:, M_PAD:M_PAD + M].double().sum(0)
     ref_scale = torch.stack([per_logit[:N].sum(), per_logit[N:2 * N].sum(), per_logit[2 * N:].sum()])

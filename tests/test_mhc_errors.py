@@ -32,7 +32,7 @@ BAD_PREPARE = [
     ("X", TypeError, lambda X, fn, s, b: _prepare(X=X.tolist())),
     ("X", ValueError, lambda X, fn, s, b: _prepare(X=X.to(torch.int32))),
     ("X", ValueError, lambda X, fn, s, b: _prepare(X=X.reshape(T, N * C))),
-    ("X", ValueError, lambda X, fn, s, b: _prepare(X=X[:, :3])),  # n = 3 streams
+    ("X", NotImplementedError, lambda X, fn, s, b: _prepare(X=X[:, :3])),  # n = 3 streams
     ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn[:, :-1])),
     ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn.to(torch.float64))),
     ("fn", ValueError, lambda X, fn, s, b: _prepare(fn=fn.to("meta"))),
@@ -81,7 +81,7 @@ BAD_OTHERS = [
         r[0], r[5], r[6], None, r[1], r[2], r[3], r[4], r[7], accumulate=True)),
     ("dY", ValueError, lambda r: cake_mhc_train_head_backward(r[6].reshape(1, T, C))),
     ("dX", ValueError, lambda r: cake_mhc_train_head_backward(r[6], accumulate=True)),
-    ("X", ValueError, lambda r: cake_mhc_train_head_forward(r[0][:, :2])),
+    ("X", NotImplementedError, lambda r: cake_mhc_train_head_forward(r[0][:, :3])),
     ("save_stats", TypeError, lambda r: cake_mhc_train_prepare(r[0], r[1], r[2], r[3], save_stats="no")),
 ]
 

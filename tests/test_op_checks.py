@@ -163,7 +163,7 @@ def _bad(change):
 def test_op_rejects_what_the_public_function_rejects(op, what, change, public, direct):
     with pytest.raises((ValueError, TypeError, NotImplementedError)):
         public(_bad(change))
-    with pytest.raises((ValueError, TypeError), match=f"cakeops::{op}"):
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=f"cakeops::{op}"):
         direct(_bad(change))
 
 
@@ -173,7 +173,7 @@ def test_fake_rejects_it_too(op, what, change, public, direct):
     a = _bad(change)
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake = {k: mode.from_tensor(v) for k, v in a.items()}
-        with pytest.raises((ValueError, TypeError), match=f"cakeops::{op}"):
+        with pytest.raises((ValueError, TypeError, NotImplementedError), match=f"cakeops::{op}"):
             direct(fake)
 
 

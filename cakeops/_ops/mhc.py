@@ -29,7 +29,7 @@ from .strides import unit_last
 
 
 def _empty_stats(X: Tensor) -> Tensor:
-    return torch.empty((X.shape[0], layout.STATS_WIDTH), dtype=torch.float32, device=X.device)
+    return torch.empty((X.shape[0], layout.stats_width(X.shape[-2])), dtype=torch.float32, device=X.device)
 
 
 def prepare_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
@@ -116,7 +116,7 @@ def backward_prepare_impl(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, dB: O
     T, n, C = X.shape
     dB = torch.empty((T, C), dtype=B.dtype, device=X.device) if dB is None else dB
     if grad_stats is None:
-        grad_stats = torch.empty((T, layout.GRAD_STATS_WIDTH), dtype=torch.float32, device=X.device)
+        grad_stats = torch.empty((T, layout.grad_stats_width(n)), dtype=torch.float32, device=X.device)
     dY, B, X, stats = unit_last(dY), unit_last(B), unit_last(X), unit_last(stats)
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
@@ -235,7 +235,7 @@ def zeros_for_missing(X: Tensor, dU: Optional[Tensor], dY: Optional[Tensor], gra
     if dY is None:
         dY = torch.zeros_like(X)
     if grad_stats is None:
-        grad_stats = X.new_zeros((X.shape[0], layout.GRAD_STATS_WIDTH), dtype=torch.float32)
+        grad_stats = X.new_zeros((X.shape[0], layout.grad_stats_width(X.shape[1])), dtype=torch.float32)
     return dU, dY, grad_stats
 
 

@@ -24,9 +24,6 @@ from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _
 from .mhc_math import sigmoid, sinkhorn
 
 
-M_PAD = 32  # logits padded to a power of two >= 16 (kernel B's tl.dot); also the width of a dz row
-
-
 @triton.jit
 def _load_logits(row, row_ok, N: tl.constexpr):
     """The pre [R, N], post [R, N] and res [R, N, N] pieces of the M logit-indexed values at row[r] + m."""
@@ -98,29 +95,28 @@ def _collapse_backward(X, DU, t64, t_ok, c_lo, c_hi, stride_xt, stride_xi, strid
     """dpre [BLOCK_T, N] = sum_c dU[t, c] * X[t, i, c] over c in [c_lo, c_hi), FP32, reduced once after the
     chunk loop.
 
-    2-D [BLOCK_T, BLOCK_C] tiles, one accumulator per stream (written out for n = 4): a [BLOCK_T, n, BLOCK_C]
-    tile compiled for sm_90 to scalar loads and barriers; these tiles load 16 bytes per thread per access."""
-    tl.static_assert(N == 4)
+    2-D [BLOCK_T, BLOCK_C] tiles, one accumulator per stream (a tuple of N tiles, unrolled at compile time): a
+    [BLOCK_T, n, BLOCK_C] tile compiled for sm_90 to scalar loads and barriers; these tiles load 16 bytes per
+    thread per access."""
     offs_c = tl.arange(0, BLOCK_C)
     x_row = X + t64[:, None] * stride_xt
     u_row = DU + t64[:, None] * stride_ut
-    acc0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    acc = ()
+    for i in tl.static_range(N):
+        acc = acc + (tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),)
     for c0 in range(c_lo, c_hi, BLOCK_C):
         c = (c0 + offs_c)[None, :]
         mask = t_ok[:, None] & (c < c_hi)
         du = tl.load(u_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        acc0 += du * _stream(x_row, 0, stride_xi, c, mask)
-        acc1 += du * _stream(x_row, 1, stride_xi, c, mask)
-        acc2 += du * _stream(x_row, 2, stride_xi, c, mask)
-        acc3 += du * _stream(x_row, 3, stride_xi, c, mask)
+        summed = ()
+        for i in tl.static_range(N):
+            summed = summed + (acc[i] + du * _stream(x_row, i, stride_xi, c, mask),)
+        acc = summed
     j = tl.arange(0, N)[None, :]
-    return (tl.where(j == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
-            + tl.where(j == 1, tl.sum(acc1, axis=1)[:, None], 0.0)
-            + tl.where(j == 2, tl.sum(acc2, axis=1)[:, None], 0.0)
-            + tl.where(j == 3, tl.sum(acc3, axis=1)[:, None], 0.0))
+    dpre = tl.where(j == 0, tl.sum(acc[0], axis=1)[:, None], 0.0)
+    for i in tl.static_range(1, N):
+        dpre = dpre + tl.where(j == i, tl.sum(acc[i], axis=1)[:, None], 0.0)
+    return dpre
 
 
 @triton.jit
@@ -140,10 +136,10 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
     ij = j[:, None] * N + j[None, :]
     s_row = STATS + t64 * stride_st
     g_row = GS + t64 * stride_gt
-    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX, t_ok, N)
-    rstd = tl.load(s_row + _RSTD, mask=t_ok, other=0.0)
-    dpost = tl.load(g_row[:, None] + _DPOST + j[None, :], mask=t_ok[:, None], other=0.0)
-    dcomb = tl.load(g_row[:, None, None] + _DCOMB + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
+    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX(N), t_ok, N)
+    rstd = tl.load(s_row + _RSTD(N), mask=t_ok, other=0.0)
+    dpost = tl.load(g_row[:, None] + _DPOST(N) + j[None, :], mask=t_ok[:, None], other=0.0)
+    dcomb = tl.load(g_row[:, None, None] + _DCOMB(N) + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
     # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
     sg_pre = sigmoid(mix_pre * scale_pre + base_pre)
     sg_post = sigmoid(mix_post * scale_post + base_post)

@@ -23,7 +23,7 @@ Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -33,8 +33,9 @@ import triton.language as tl
 from ..meta import mhc_layout as layout
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
-from .mhc_backward_dlogits import M_PAD, _dlogits_kernel, _dpre_kernel
+from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
+from .mhc_columns import logits_pad
 from .mhc_math import SINKHORN_TILE
 from .partials import sum_partials
 
@@ -65,11 +66,13 @@ def _params_reduce_kernel(PART, DBASE, DSCALE, P, N: tl.constexpr, M_PAD: tl.con
     tl.store(dst, total)
 
 
-def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor, P: int, accumulate: bool) -> None:
-    """dbase [M], dscale [3] (+)= the fixed-order sums of kernel A's P partial rows ``part`` [P, 2 * M_PAD]."""
-    n = layout.N_STREAMS
-    _params_reduce_kernel[(layout.N_LOGITS + 3,)](part, dbase, dscale, P, N=n, M_PAD=M_PAD, ACCUMULATE=accumulate,
-                                                  BLOCK_P=min(256, next_power_of_2(P)), num_warps=4)
+def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor, P: int, accumulate: bool,
+                  n: int = layout.N_STREAMS) -> None:
+    """dbase [M], dscale [3] (+)= the fixed-order sums of kernel A's P partial rows ``part`` [P, 2 * M_PAD]
+    (M_PAD = mhc_columns.logits_pad(n)) for n streams."""
+    _params_reduce_kernel[(layout.n_logits(n) + 3,)](part, dbase, dscale, P, N=n, M_PAD=logits_pad(n),
+                                                     ACCUMULATE=accumulate, BLOCK_P=min(256, next_power_of_2(P)),
+                                                     num_warps=4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -106,6 +109,16 @@ class FinishConfig:
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
 
+    def resolve(self, n: int) -> "FinishConfig":
+        """This config for n streams: the defaults above are n = 4's; for another n, every field still at its
+        n = 4 default takes that n's value from STREAM_DEFAULTS (tiles that hold n streams, or M_PAD = 16 / 128
+        logit columns, sized to keep a thread's registers near n = 4's). n = 4: the config itself."""
+        if n == layout.N_STREAMS:
+            return self
+        default = FinishConfig()
+        return replace(self, **{k: v for k, v in STREAM_DEFAULTS.get(n, {}).items()
+                                if getattr(self, k) == getattr(default, k)})
+
     @staticmethod
     def candidates():
         """The tuner's variants besides the default (kernel A keeps SINKHORN_TILE: see mhc_math.py)."""
@@ -130,6 +143,16 @@ class FinishConfig:
         yield FinishConfig(dlogits_per_sm=8)
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
 
+
+# Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
+# (triton 3.6) to keep n = 4's rows in flight without spills; not yet measured on a GPU. dpre: n * dpre_block_t
+# = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
+# B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
+# one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
+STREAM_DEFAULTS = {
+    2: {"dpre_block_t": 64},
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2},
+}
 
 # Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an
 # H200 at iters=20); above this, fewer programs each walk more token blocks (iters=64: ~8 instead of 16 per SM).
@@ -166,8 +189,10 @@ class _Plan(NamedTuple):
     sizes: tuple
 
 
-def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool, cfg: FinishConfig) -> _Plan:
-    n, M = layout.N_STREAMS, layout.N_LOGITS
+def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool, cfg: FinishConfig,
+          n: int = layout.N_STREAMS) -> _Plan:
+    M, m_pad = layout.n_logits(n), logits_pad(n)
+    cfg = cfg.resolve(n)
     slot = (2 * iters - 1) * cfg.dlogits_block_t * n * n * 4  # bytes of one program's Sinkhorn scratch
     a_programs = max(1, min(persistent_programs(device, cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
                             SCRATCH_BUDGET_BYTES // slot))
@@ -175,32 +200,33 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
     dpre_cols = cdiv(cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
-    sizes = (T * M_PAD, a_programs * 2 * M_PAD, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
+    sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
              dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n)
     return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
-                                    deterministic: bool = True, config: Optional[FinishConfig] = None) -> int:
-    """FP32 elements of the workspace backward_finish uses for these sizes (0 when T == 0)."""
+                                    deterministic: bool = True, config: Optional[FinishConfig] = None,
+                                    n: int = layout.N_STREAMS) -> int:
+    """FP32 elements of the workspace backward_finish uses for these sizes and n streams (0 when T == 0)."""
     if T == 0:
         return 0
-    return sum(_plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig()).sizes)
+    return sum(_plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig(), n).sizes)
 
 
 def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, deterministic: bool = True,
                                         sinkhorn_iters: Optional[int] = None,
-                                        config: Optional[FinishConfig] = None) -> int:
-    """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C on ``device``
+                                        config: Optional[FinishConfig] = None, n: int = layout.N_STREAMS) -> int:
+    """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C, n streams, on ``device``
     (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn partials grows with T;
     the dfn partials' effective split count is at most min(requested splits, token blocks), both monotone."""
     if T == 0:
         return 0
     device = torch.device(device)
-    cfg = config or FinishConfig()
-    n, M = layout.N_STREAMS, layout.N_LOGITS
+    cfg = (config or FinishConfig()).resolve(n)
+    M = layout.n_logits(n)
     iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
-    worst = max((_plan(T, C, it, device, False, cfg) for it in iters_range), key=lambda p: sum(p.sizes))
+    worst = max((_plan(T, C, it, device, False, cfg, n) for it in iters_range), key=lambda p: sum(p.sizes))
     numel = sum(worst.sizes)
     if deterministic:
         dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
@@ -246,15 +272,15 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             for g in (dfn, dscale, dbase):
                 g.zero_()
         return
-    M = 2 * n + n * n
-    assert n == layout.N_STREAMS and dY.shape == X.shape and dX.shape == X.shape and dU.shape == (T, C)
+    M, m_pad = 2 * n + n * n, logits_pad(n)
+    assert n in layout.SUPPORTED_STREAMS and dY.shape == X.shape and dX.shape == X.shape and dU.shape == (T, C)
     assert X.stride(2) == 1 and dY.stride(2) == 1 and dX.stride(2) == 1 and dU.stride(1) == 1
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1
     assert dfn.shape == (M, n * C) and dfn.is_contiguous() and dscale.is_contiguous() and dbase.is_contiguous()
     assert all(t.dtype == torch.float32 for t in (fn, scale, base, stats, grad_stats, dfn, dscale, dbase))
     assert 1 <= sinkhorn_iters
-    cfg = config or FinishConfig()
-    plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg)
+    cfg = (config or FinishConfig()).resolve(n)
+    plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
     need = sum(plan.sizes)
     if workspace is not None and workspace.dtype == torch.uint8:
         workspace = workspace[:4 * need].view(torch.float32)
@@ -274,21 +300,21 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     _dlogits_kernel[(plan.dlogits_programs,)](
         dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
         T, C, dpre_slices, stats.stride(0), grad_stats.stride(0), float(hc_eps), int(sinkhorn_iters),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
+        N=n, M_PAD=m_pad, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
-        reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate)
+        reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
-        N=n, M_PAD=M_PAD, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
+        N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
         X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
+        N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
         num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
     )
     if not atomic:

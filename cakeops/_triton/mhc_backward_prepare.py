@@ -32,18 +32,18 @@ def _backward_prepare_kernel(
     # thread-local -- with [N, BLOCK_C] tiles the streams landed on different warps and each chunk paid
     # shared-memory round trips and barriers (462 GB/s on H200).
     # dcomb[i, j] = sum_c X_i * dY_j is gathered on the diagonals of a "rolled" dY: accumulator s holds
-    # X_i * dY_{(i+s) mod N}; the rolled tiles re-read dY lines already in L1.
+    # X_i * dY_{(i+s) mod N}; the rolled tiles re-read dY lines already in L1. The N accumulators are a tuple
+    # unrolled at compile time (N separate [BLOCK_C // VEC, N] tiles, as if written out one by one).
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, N)
     offs_c = tl.arange(0, BLOCK_C)
-    post = tl.load(STATS + t * stride_st + _POST + i)
+    post = tl.load(STATS + t * stride_st + _POST(N) + i)
     dy_base = DY + t * stride_dyt
     x_cols = X + t * stride_xt + i[None, :] * stride_xi
     acc_post = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
+    acc = ()
+    for shift in tl.static_range(N):
+        acc = acc + (tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32),)
     for c0 in range(0, C, BLOCK_C):
         c = (c0 + offs_c)[:, None]
         m = c < C
@@ -53,18 +53,18 @@ def _backward_prepare_kernel(
         tl.store(DB + t * stride_dbt + (c0 + offs_c), tl.sum(dy * post[None, :], axis=1).to(DB.dtype.element_ty),
                  mask=(c0 + offs_c) < C)
         acc_post += _fold(dy * b, BLOCK_C, VEC, N)
-        acc0 += _fold(x * dy, BLOCK_C, VEC, N)
-        acc1 += _fold(x * _rolled(dy_base, i, 1, stride_dyi, c, m, N), BLOCK_C, VEC, N)
-        acc2 += _fold(x * _rolled(dy_base, i, 2, stride_dyi, c, m, N), BLOCK_C, VEC, N)
-        acc3 += _fold(x * _rolled(dy_base, i, 3, stride_dyi, c, m, N), BLOCK_C, VEC, N)
+        rolled = (acc[0] + _fold(x * dy, BLOCK_C, VEC, N),)
+        for shift in tl.static_range(1, N):
+            rolled = rolled + (acc[shift] + _fold(x * _rolled(dy_base, i, shift, stride_dyi, c, m, N), BLOCK_C, VEC,
+                                                  N),)
+        acc = rolled
     g_row = GS + t * stride_gt
-    tl.store(g_row + _DPOST + i, tl.sum(acc_post, axis=0))
-    tl.store(g_row + _DCOMB + i * N + i, tl.sum(acc0, axis=0))
-    tl.store(g_row + _DCOMB + i * N + (i + 1) % N, tl.sum(acc1, axis=0))
-    tl.store(g_row + _DCOMB + i * N + (i + 2) % N, tl.sum(acc2, axis=0))
-    tl.store(g_row + _DCOMB + i * N + (i + 3) % N, tl.sum(acc3, axis=0))
-    w = tl.arange(0, _GRAD_STATS_WIDTH)
-    tl.store(g_row + w, tl.zeros([_GRAD_STATS_WIDTH], dtype=tl.float32), mask=w >= _GRAD_STATS_USED)
+    tl.store(g_row + _DPOST(N) + i, tl.sum(acc_post, axis=0))
+    tl.store(g_row + _DCOMB(N) + i * N + i, tl.sum(acc[0], axis=0))
+    for shift in tl.static_range(1, N):
+        tl.store(g_row + _DCOMB(N) + i * N + (i + shift) % N, tl.sum(acc[shift], axis=0))
+    w = tl.arange(0, _GRAD_STATS_WIDTH(N))
+    tl.store(g_row + w, tl.zeros([_GRAD_STATS_WIDTH(N)], dtype=tl.float32), mask=w >= _GRAD_STATS_USED(N))
 
 
 @triton.jit
@@ -105,7 +105,7 @@ class BackwardPrepareConfig:
 
 def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: torch.Tensor, dB: torch.Tensor,
                      grad_stats: torch.Tensor, *, config: Optional[BackwardPrepareConfig] = None) -> None:
-    """dB [T, C] = round(sum_j post_j * dY[:, j]); grad_stats [T, 32] FP32 = dpost | dcomb | zeros.
+    """dB [T, C] = round(sum_j post_j * dY[:, j]); grad_stats [T, GRAD_STATS_WIDTH] FP32 = dpost | dcomb | zeros.
 
     dY, X [T, n, C] and B, dB [T, C] need a unit stride along C only; stats and grad_stats rows may be
     strided too. ``config``: the launch shape (BackwardPrepareConfig; the defaults when None).
@@ -113,10 +113,10 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     T, n, C = X.shape
     if T == 0:
         return
-    assert n == layout.N_STREAMS and dY.shape == (T, n, C) and B.shape == (T, C) and dB.shape == (T, C)
+    assert n in layout.SUPPORTED_STREAMS and dY.shape == (T, n, C) and B.shape == (T, C) and dB.shape == (T, C)
     assert dY.stride(2) == 1 and X.stride(2) == 1 and B.stride(1) == 1 and dB.stride(1) == 1
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
-    assert grad_stats.shape == (T, layout.GRAD_STATS_WIDTH) and stats.shape == (T, layout.STATS_WIDTH)
+    assert grad_stats.shape == (T, layout.grad_stats_width(n)) and stats.shape == (T, layout.stats_width(n))
     block_c, num_warps, vec = (config or BackwardPrepareConfig()).resolve(C, X.element_size())
     _backward_prepare_kernel[(T,)](
         dY, B, X, stats, dB, grad_stats, C,

@@ -30,7 +30,7 @@ import triton.language as tl
 from ..meta import mhc_layout as layout
 from .mhc_columns import (
     PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
-    STATS_WIDTH as _STATS_WIDTH,
+    STATS_WIDTH as _STATS_WIDTH, logits_pad,
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
@@ -138,27 +138,27 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     # mix goes to its stats columns, then comes back in the shapes the gates and the Sinkhorn need
     # ([BLOCK_T, N], [BLOCK_T, N, N]): a cache-hot round trip of M floats per token, simpler than
     # re-laying out registers. The barrier makes the other threads' stores visible.
-    s_row = STATS + t64 * _STATS_WIDTH
-    tl.store(s_row[:, None] + _MIX + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
-    tl.store(s_row + _RSTD, rstd, mask=t_ok)
-    offs_w = tl.arange(0, _STATS_WIDTH)
-    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, _STATS_WIDTH], dtype=tl.float32),
-             mask=t_ok[:, None] & (offs_w >= _STATS_USED)[None, :])
+    s_row = STATS + t64 * _STATS_WIDTH(N)
+    tl.store(s_row[:, None] + _MIX(N) + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
+    tl.store(s_row + _RSTD(N), rstd, mask=t_ok)
+    offs_w = tl.arange(0, _STATS_WIDTH(N))
+    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, _STATS_WIDTH(N)], dtype=tl.float32),
+             mask=t_ok[:, None] & (offs_w >= _STATS_USED(N))[None, :])
     tl.debug_barrier()
 
     j = tl.arange(0, N)
     row_ok = t_ok[:, None]
-    z_pre = tl.load(s_row[:, None] + _MIX + j[None, :], mask=row_ok, other=0.0)
-    z_post = tl.load(s_row[:, None] + _MIX + N + j[None, :], mask=row_ok, other=0.0)
+    z_pre = tl.load(s_row[:, None] + _MIX(N) + j[None, :], mask=row_ok, other=0.0)
+    z_post = tl.load(s_row[:, None] + _MIX(N) + N + j[None, :], mask=row_ok, other=0.0)
     pre = sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
     post = 2.0 * sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
     ij = j[:, None] * N + j[None, :]
-    z_res = tl.load(s_row[:, None, None] + _MIX + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
+    z_res = tl.load(s_row[:, None, None] + _MIX(N) + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
     comb, _ = sinkhorn(z_res, tl.load(SCALE + 2), tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters,
                        STATS, 0, False)  # no scratch: nothing recorded
-    tl.store(s_row[:, None] + _PRE + j[None, :], pre, mask=row_ok)
-    tl.store(s_row[:, None] + _POST + j[None, :], post, mask=row_ok)
-    tl.store(s_row[:, None, None] + _COMB + ij[None, :, :], comb, mask=row_ok[:, :, None])
+    tl.store(s_row[:, None] + _PRE(N) + j[None, :], pre, mask=row_ok)
+    tl.store(s_row[:, None] + _POST(N) + j[None, :], post, mask=row_ok)
+    tl.store(s_row[:, None, None] + _COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
 @dataclass(frozen=True)
@@ -188,21 +188,27 @@ class PrepareConfig:
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
-        return self.resolve_for(X.shape[0], X.shape[2], X.device, X.is_cuda)
+        T, n, C = X.shape
+        return self.resolve_for(T, C, X.device, X.is_cuda, n=n)
 
-    def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None) -> "PrepareConfig":
+    def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None,
+                    n: int = 4) -> "PrepareConfig":
         """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
-        block_c = max(16, min(64, next_power_of_2(C)))
+        # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider, so 16 columns per chunk and
+        # 64-token blocks with 3 stages: n = 4's shared memory (224 KB) and 128 registers (sm_90, triton 3.6;
+        # 128 x 64 tiles need 1 MB).
+        wide = n > 4
+        block_c = max(16, min(16 if wide else 64, next_power_of_2(C)))
         if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
-            block_t = 128
+            block_t = 64 if wide else 128
             slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
             while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
-                          num_stages=3 if block_t >= 128 else 2, slices=slices)
+                          num_stages=3 if block_t >= 128 or wide else 2, slices=slices)
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod
@@ -220,7 +226,7 @@ def workspace_regions(T: int, n: int, C: int, dtype: torch.dtype, cfg: PrepareCo
     the bf16 hi / lo pieces of fn [2, M, n*C] (bf16 X with ``presplit`` only), then the projection partials
     FP32 [slices, T, M_PAD] (column M of a row carries the sum of squares)."""
     M = 2 * n + n * n
-    m_pad = max(16, next_power_of_2(M))
+    m_pad = logits_pad(n)
     cols = cdiv(cdiv(C, cfg.slices), cfg.block_c) * cfg.block_c
     regions = [((2, M, n * C), torch.bfloat16)] if cfg.presplit and dtype == torch.bfloat16 else []
     return regions + [((cdiv(C, cols), T, m_pad), torch.float32)]
@@ -239,14 +245,15 @@ def workspace_bytes(X: torch.Tensor, config: Optional[PrepareConfig] = None) -> 
 def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Optional[PrepareConfig] = None) -> int:
     """Bytes of a workspace that serves every call of up to T tokens of [*, n, C] on ``device``, any dtype:
     fn's pieces (always reserved) and the largest partials over T' <= T (column slices shrink as T grows,
-    so slices * T' is not monotone; it changes only at whole 128-token blocks)."""
+    so slices * T' is not monotone; it changes only at whole token blocks: 128 tokens, 64 for n = 8)."""
     from .._workspace import layout_bytes
 
     if T == 0:
         return 0
     base = config or PrepareConfig()
-    candidates = {T} | {128 * k for k in range(1, min(cdiv(T, 128), 257))}
-    parts = max(workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device))[0][0]
+    block = 64 if n > 4 else 128
+    candidates = {T} | {block * k for k in range(1, min(cdiv(T, block), 257))}
+    parts = max(workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n))[0][0]
                 for t in candidates if t <= T)
     M = 2 * n + n * n
     return layout_bytes([((2, M, n * C), torch.bfloat16), (parts, torch.float32)])
@@ -266,13 +273,12 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         return
     M = 2 * n + n * n
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
-    assert stats.is_contiguous() and stats.shape == (T, layout.STATS_WIDTH) and stats.dtype == torch.float32
+    assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
     cfg = (config or PrepareConfig()).resolve(X)
-    assert n == layout.N_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
+    assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
     block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
-    m_pad = max(16, next_power_of_2(M))
-    assert m_pad > M  # column M of a partial row carries the sum of squares
+    m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     presplit = cfg.presplit and X.dtype == torch.bfloat16
     if workspace is None:  # the autograd path: allocated per call, as workspace_regions lays them out

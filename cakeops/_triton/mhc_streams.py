@@ -37,12 +37,12 @@ def _finish_kernel(
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     j = tl.arange(0, N)
-    s_row = STATS + t * _STATS_WIDTH
+    s_row = STATS + t * _STATS_WIDTH(N)
     b = tl.load(B + t * stride_bt + c, mask=c_ok, other=0.0).to(tl.float32)
-    y = tl.load(s_row + _POST + j)[:, None] * b[None, :]
+    y = tl.load(s_row + _POST(N) + j)[:, None] * b[None, :]
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-        y += tl.load(s_row + _COMB + i * N + j)[:, None] * x[None, :]
+        y += tl.load(s_row + _COMB(N) + i * N + j)[:, None] * x[None, :]
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], y.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
 
@@ -52,14 +52,14 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st,
                      N: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr):
     """WEIGHTED: Y = sum_i pre_i * X_i, pre_i at column PRE + i of the record row (stride_st floats apart: the
     mHC stats, forward_prepare's collapse U, or the gated head's record, meta/mhc_head_layout.py); else the
-    head, Y = (((0 + X0) + X1) + X2) + X3) / n: the order and the one rounding of X.mean(dim=1)."""
+    head, Y = ((0 + X0) + X1) + ... + X_{n-1}) / n: the order and the one rounding of X.mean(dim=1)."""
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
         if WEIGHTED:
-            acc += tl.load(STATS + t * stride_st + _PRE + i) * x
+            acc += tl.load(STATS + t * stride_st + _PRE(N) + i) * x
         else:
             acc += x
     if not WEIGHTED:
@@ -118,7 +118,8 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
 
 
 def head_forward(X: torch.Tensor, Y: torch.Tensor, *, config: Optional[StreamConfig] = None) -> None:
-    """Y[t, c] = round((((X0 + X1) + X2) + X3) / n), summed in FP32 from zero: bitwise X.mean(dim=1) on a GPU."""
+    """Y[t, c] = round((((X0 + X1) + ...) + X_{n-1}) / n), summed in FP32 from zero: bitwise X.mean(dim=1) on a
+    GPU."""
     _collapse(X, None, Y, config)
 
 

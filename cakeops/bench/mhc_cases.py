@@ -1,5 +1,7 @@
 """mHC bench cases: forward_prepare, forward_finish, head (fwd, bwd), the gated head (fwd, bwd), backward_prepare,
-backward_finish, and one whole layer forward + backward with an identity branch.
+backward_finish, and one whole layer forward + backward with an identity branch. n = 4 streams unless a shape says
+``n``: n = 2 and n = 8 rows at T=16384 C=4096 and at the X bytes of n = 4's T=16384 C=4096 row (n=2 T=32768,
+n=8 T=8192), for the GB/s comparison of SPEC §4 ("n = 2 and n = 8, same bytes: within 15 % of n = 4's GB/s").
 
 Peers run the reference math (``cakeops.reference.mhc``) in eager torch and under torch.compile; the oracle of
 every check is that math in float64 on the same inputs.
@@ -17,10 +19,11 @@ from ..testing import rel_err
 from .core import Case, generator, register
 from .profile import kernel_times_us
 
-N, M = layout.N_STREAMS, layout.N_LOGITS
 HP = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
 SHAPES = ({"T": 16384, "C": 4096}, {"T": 16384, "C": 7168}, {"T": 8192, "C": 4096},
           {"T": 8192, "C": 7168})  # the first one is `bench --quick`
+STREAM_SHAPES = ({"T": 16384, "C": 4096, "n": 2}, {"T": 32768, "C": 4096, "n": 2},
+                 {"T": 16384, "C": 4096, "n": 8}, {"T": 8192, "C": 4096, "n": 8})
 TINY = {"T": 32, "C": 64}
 OUT_TOL, STATS_TOL, GRAD_TOL = 4e-3, 1e-3, 1e-2  # design.md §3: bf16 outputs, FP32 records (bf16 projection), grads
 
@@ -31,8 +34,9 @@ def _compiled(fn):
 
 
 def _make(device, dtype, size):
-    T, C = size["T"], size["C"]
-    gen = generator(device, "mhc", T, C)
+    T, C, N = size["T"], size["C"], size.get("n", layout.N_STREAMS)
+    M = layout.n_logits(N)
+    gen = generator(device, "mhc", T, C, *(() if N == layout.N_STREAMS else (N,)))
 
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
@@ -100,7 +104,7 @@ def _head(s):
 
 
 def _head_bytes(s):
-    return s.X.nbytes + s.X.nbytes // N
+    return s.X.nbytes + s.X.nbytes // s.X.shape[1]
 
 
 def _head_check(s):
@@ -108,15 +112,15 @@ def _head_check(s):
 
 
 def _head_bwd(s):
-    return mhc.cake_mhc_train_head_backward(s.dU)
+    return mhc.cake_mhc_train_head_backward(s.dU, n_streams=s.X.shape[1])
 
 
 def _head_bwd_ref(s):
-    return ref.head_backward(s.dU, N)
+    return ref.head_backward(s.dU, s.X.shape[1])
 
 
 def _head_bwd_check(s):
-    return {"dX": rel_err(_head_bwd(s), ref.head_backward(s.dU.double(), N))}
+    return {"dX": rel_err(_head_bwd(s), ref.head_backward(s.dU.double(), s.X.shape[1]))}
 
 
 # ---- the gated head (DeepSeek-V4's hc_head), forward and backward ----
@@ -129,16 +133,16 @@ GH_HP = dict(rms_eps=1e-5, hc_eps=1e-6)
 
 
 def _make_gated(device, dtype, size):
-    T, C = size["T"], size["C"]
-    gen = generator(device, "mhc gated head", T, C)
+    T, C, n = size["T"], size["C"], size.get("n", 4)
+    gen = generator(device, "mhc gated head", T, C) if n == 4 else generator(device, "mhc gated head", T, C, n)
 
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
 
-    s = SimpleNamespace(X=randn(T, N, C), dY=randn(T, C))
-    s.fn = randn(N, N * C, dt=torch.float32) / (N * C) ** 0.5
+    s = SimpleNamespace(X=randn(T, n, C), dY=randn(T, C))
+    s.fn = randn(n, n * C, dt=torch.float32) / (n * C) ** 0.5
     s.scale = torch.tensor([3.0], device=device)  # gates far from 1/2
-    s.base = randn(N, dt=torch.float32)
+    s.base = randn(n, dt=torch.float32)
     s.Y, s.stats = mhc.cake_mhc_train_gated_head_forward(s.X, s.fn, s.scale, s.base, **GH_HP)
     return s
 
@@ -278,7 +282,7 @@ def _layer_notes(s):
     kept = torch.cuda.memory_allocated() - before - Y.nbytes
     torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
     peak = torch.cuda.max_memory_allocated() - before
-    stats_bytes = X.shape[0] * layout.STATS_WIDTH * 4
+    stats_bytes = X.shape[0] * layout.stats_width(X.shape[1]) * 4
     kernels_ms = sum(kernel_times_us(lambda: _layer(s), reps=3).values()) / 1e3
     return {"GPU kernel time per call": f"{kernels_ms:.3f} ms (a row time above it is the GPU waiting for the host)",
             "kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {X.nbytes / X.shape[1] / 2**20:.1f} MiB, "
@@ -308,9 +312,10 @@ def _cases():
          {"dX": GRAD_TOL, "dfn": GRAD_TOL, "dscale": GRAD_TOL, "dbase": GRAD_TOL}, _bwd_finish_ref),
     )
     for name, run, nbytes, check, tol, eager in kinds:
-        for i, size in enumerate(SHAPES):
+        for i, size in enumerate(SHAPES + STREAM_SHAPES):
+            tiny = TINY if "n" not in size else dict(TINY, n=size["n"])
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
-                       peers=peers(eager), tiny=TINY, quick=i == 0)
+                       peers=peers(eager), tiny=tiny, quick=i == 0)
     gated = (
         ("mhc gated head fwd", _gated_fwd, _gated_fwd_bytes, _gated_fwd_check, {"Y": OUT_TOL, "stats": STATS_TOL},
          _gated_fwd_ref),
@@ -318,15 +323,17 @@ def _cases():
          {"dX": GRAD_TOL, "dfn": GRAD_TOL, "dscale": GRAD_TOL, "dbase": GRAD_TOL}, _gated_bwd_ref),
     )
     for name, run, nbytes, check, tol, eager in gated:
-        for i, size in enumerate(SHAPES):
+        for i, size in enumerate(SHAPES + STREAM_SHAPES):
+            tiny = TINY if "n" not in size else dict(TINY, n=size["n"])
             yield Case(family="mhc", name=name, size=size, make=_make_gated, run=run, nbytes=nbytes, check=check,
-                       tol=tol, peers=peers(eager), tiny=TINY, quick=i == 0)
+                       tol=tol, peers=peers(eager), tiny=tiny, quick=i == 0)
     layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled,
                    "cakeops under torch.compile": _layer_compiled_cakeops}
-    for i, size in enumerate(SHAPES[:2]):
+    for i, size in enumerate(SHAPES[:2] + STREAM_SHAPES):
+        tiny = TINY if "n" not in size else dict(TINY, n=size["n"])
         yield Case(family="mhc", name="mhc layer fwd+bwd (identity branch)", size=size, make=_make, run=_layer,
                    nbytes=_layer_bytes, check=_layer_check, tol={"dX": GRAD_TOL, "dfn": GRAD_TOL, "dbase": GRAD_TOL},
-                   peers=layer_peers, tiny=TINY, quick=i == 0, notes=_layer_notes)
+                   peers=layer_peers, tiny=tiny, quick=i == 0, notes=_layer_notes)
 
 
 register(*_cases())

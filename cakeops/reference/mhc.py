@@ -7,7 +7,7 @@ dtype (float32, or float64 for the oracle).
 
 Shapes: X [T, n, C], fn [M, K=n*C], scale [3], base [M], B / U / dU [T, C], dY [T, n, C], M = 2n + n*n.
 `sinkhorn`, `sinkhorn_backward`, `coefficients` and `layer` take any n; the functions that read or write
-the stats records need n = 4 (the layout of cakeops.meta.mhc_layout).
+the stats records need an n with a record layout, n in {2, 4, 8} (cakeops.meta.mhc_layout.layout_for).
 
 Sinkhorn recompute strategy: the forward keeps only `mix` (in stats); the backward rebuilds the logits
 from mix/scale/base and replays the Sinkhorn iteration, keeping every normalization's input in a
@@ -21,9 +21,7 @@ from typing import Callable, Tuple
 import torch
 
 from . import compute_dtype
-from ..meta.mhc_layout import (
-    COMB, DCOMB, DPOST, GRAD_STATS_WIDTH, MIX, N_STREAMS, POST, PRE, RSTD, STATS_WIDTH,
-)
+from ..meta.mhc_layout import layout_for
 
 Tensor = torch.Tensor
 
@@ -31,11 +29,6 @@ Tensor = torch.Tensor
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The package's rule over several arguments: float64 if any of them computes in float64."""
     return functools.reduce(torch.promote_types, (compute_dtype(t) for t in tensors))
-
-
-def _need_layout_n(n: int) -> None:
-    if n != N_STREAMS:
-        raise ValueError(f"X: the stats layout is defined for n = {N_STREAMS} streams, got n = {n}")
 
 
 def _group_of_logits(n: int, device) -> Tensor:
@@ -122,9 +115,9 @@ def coefficients(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
 def _unpack_stats(stats: Tensor, n: int):
     """(pre [T,n], post [T,n], comb [T,n,n], rstd [T], mix [T,M]) views of a stats record."""
     T = stats.shape[0]
-    M = 2 * n + n * n
-    return (stats[:, PRE:PRE + n], stats[:, POST:POST + n],
-            stats[:, COMB:COMB + n * n].reshape(T, n, n), stats[:, RSTD], stats[:, MIX:MIX + M])
+    L = layout_for(n)
+    return (stats[:, L.PRE:L.PRE + n], stats[:, L.POST:L.POST + n],
+            stats[:, L.COMB:L.COMB + n * n].reshape(T, n, n), stats[:, L.RSTD], stats[:, L.MIX:L.MIX + L.N_LOGITS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,21 +128,21 @@ def forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
                   iters: int) -> Tensor:
     """stats [T, STATS_WIDTH] in the compute dtype, padding columns zero (layout: meta/mhc_layout.py)."""
     T, n, _ = X.shape
-    _need_layout_n(n)
+    L = layout_for(n)
     pre, post, comb, rstd, mix = coefficients(X, fn, scale, base, rms_eps, hc_eps, iters)
-    stats = torch.zeros(T, STATS_WIDTH, dtype=pre.dtype, device=X.device)
+    stats = torch.zeros(T, L.STATS_WIDTH, dtype=pre.dtype, device=X.device)
     s_pre, s_post, s_comb, _, s_mix = _unpack_stats(stats, n)
     s_pre.copy_(pre)
     s_post.copy_(post)
     s_comb.copy_(comb)
-    stats[:, RSTD] = rstd
+    stats[:, L.RSTD] = rstd
     s_mix.copy_(mix)
     return stats
 
 
 def forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                     iters: int) -> Tuple[Tensor, Tensor]:
-    """(U [T,C] in X.dtype, stats [T,64]): U[t,c] = round(sum_i pre_i * X[t,i,c])."""
+    """(U [T,C] in X.dtype, stats [T,STATS_WIDTH]): U[t,c] = round(sum_i pre_i * X[t,i,c])."""
     stats = forward_stats(X, fn, scale, base, rms_eps, hc_eps, iters)
     pre = _unpack_stats(stats, X.shape[1])[0]
     U = torch.einsum("ti,tic->tc", pre, X.to(stats.dtype))
@@ -159,7 +152,6 @@ def forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps:
 def forward_finish(X: Tensor, B: Tensor, stats: Tensor) -> Tensor:
     """Y [T,n,C] = round(post_j * B + sum_i comb[i,j] * X_i)."""
     n = X.shape[1]
-    _need_layout_n(n)
     cdt = _compute_dtype(X, B, stats)
     _, post, comb, _, _ = _unpack_stats(stats.to(cdt), n)
     Y = post[:, :, None] * B.to(cdt)[:, None, :] + torch.einsum("tij,tic->tjc", comb, X.to(cdt))
@@ -190,16 +182,16 @@ def head_backward(dY: Tensor, n: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 def backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
-    """The finish node's backward: (dB [T,C] in B.dtype, grad_stats [T,32] = dpost | dcomb | zeros)."""
+    """The finish node's backward: (dB [T,C] in B.dtype, grad_stats [T,GRAD_STATS_WIDTH] = dpost | dcomb | zeros)."""
     T, n, _ = X.shape
-    _need_layout_n(n)
+    L = layout_for(n)
     cdt = _compute_dtype(dY, B, X, stats)
     dYc = dY.to(cdt)
     post = _unpack_stats(stats.to(cdt), n)[1]
     dB = torch.einsum("tj,tjc->tc", post, dYc).to(B.dtype)
-    grad_stats = torch.zeros(T, GRAD_STATS_WIDTH, dtype=cdt, device=X.device)
-    grad_stats[:, DPOST:DPOST + n] = torch.einsum("tjc,tc->tj", dYc, B.to(cdt))
-    grad_stats[:, DCOMB:DCOMB + n * n] = torch.einsum("tic,tjc->tij", X.to(cdt), dYc).reshape(T, n * n)
+    grad_stats = torch.zeros(T, L.GRAD_STATS_WIDTH, dtype=cdt, device=X.device)
+    grad_stats[:, L.DPOST:L.DPOST + n] = torch.einsum("tjc,tc->tj", dYc, B.to(cdt))
+    grad_stats[:, L.DCOMB:L.DCOMB + n * n] = torch.einsum("tic,tjc->tij", X.to(cdt), dYc).reshape(T, n * n)
     return dB, grad_stats
 
 
@@ -230,15 +222,15 @@ def backward_finish(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Tensor
     """
     del rms_eps
     T, n, C = X.shape
-    _need_layout_n(n)
+    L = layout_for(n)
     K = n * C
     cdt = _compute_dtype(X, dY, dU, fn, scale, base, stats, grad_stats)
     Xc, dYc, dUc = X.to(cdt), dY.to(cdt), dU.to(cdt)
     fn_c, scale_c, base_c = fn.to(cdt), scale.to(cdt), base.to(cdt)
     pre, _, comb, rstd, mix = _unpack_stats(stats.to(cdt), n)
     gs = grad_stats.to(cdt)
-    dpost = gs[:, DPOST:DPOST + n]
-    dcomb = gs[:, DCOMB:DCOMB + n * n].reshape(T, n, n)
+    dpost = gs[:, L.DPOST:L.DPOST + n]
+    dcomb = gs[:, L.DCOMB:L.DCOMB + n * n].reshape(T, n, n)
 
     dpre = torch.einsum("tc,tic->ti", dUc, Xc)
     z = _logits(mix, scale_c, base_c, n)

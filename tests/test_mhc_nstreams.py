@@ -1,0 +1,250 @@
+"""n in {2, 4, 8} residual streams through every mHC layer: the record layout per n, the functions (Triton kernels
+under the interpreter or on the GPU, and the reference math) against fp64 math, autograd with random upstream
+gradients, the custom ops (opcheck), torch.compile, the modules; any other n raises NotImplementedError naming
+the supported set. Eps values large enough to matter and logit scales far from a uniform Sinkhorn."""
+import math
+
+import pytest
+import torch
+
+import cakeops
+from cakeops import cake_mhc_train as mhc
+from cakeops.meta import mhc_layout
+from cakeops.reference import mhc as ref
+from cakeops.testing import rel_err
+from conftest import DEVICE, ON_GPU
+
+STREAMS = (2, 4, 8)
+UNSUPPORTED = (1, 3, 5, 16)
+HP = dict(rms_eps=0.5, hc_eps=0.05, sinkhorn_iters=7)
+HP_ARGS = (0.5, 0.05, 7)
+
+
+def _inputs(n, T=11, C=40, dtype=torch.float32):
+    M = 2 * n + n * n
+    X = torch.randn(T, n, C).to(DEVICE, dtype)
+    fn = (torch.randn(M, n * C) * 3 / math.sqrt(n * C)).to(DEVICE)
+    scale = torch.tensor([1.0, 1.5, 4.0], device=DEVICE)  # res logits spread ~4: comb far from uniform
+    base = torch.randn(M).to(DEVICE)
+    B, dU = torch.randn(T, C).to(DEVICE, dtype), torch.randn(T, C).to(DEVICE, dtype)
+    dY = torch.randn(T, n, C).to(DEVICE, dtype)
+    return X, fn, scale, base, B, dY, dU
+
+
+def _f64(*ts):
+    return [t.double() for t in ts]
+
+
+@pytest.mark.parametrize("n", STREAMS)
+def test_layout_per_n(n):
+    L = mhc_layout.layout_for(n)
+    M = 2 * n + n * n
+    assert L.N_LOGITS == M and (L.PRE, L.POST, L.COMB, L.RSTD, L.MIX) == (0, n, 2 * n, 2 * n + n * n, M + 1)
+    assert L.STATS_USED == 2 * M + 1 <= L.STATS_WIDTH < 2 * L.STATS_USED
+    assert (L.DPOST, L.DCOMB, L.GRAD_STATS_USED) == (0, n, n + n * n)
+    assert L.GRAD_STATS_USED <= L.GRAD_STATS_WIDTH < 2 * L.GRAD_STATS_USED
+    for width in (L.STATS_WIDTH, L.GRAD_STATS_WIDTH):
+        assert width & (width - 1) == 0
+    assert {2: (32, 8), 4: (64, 32), 8: (256, 128)}[n] == (L.STATS_WIDTH, L.GRAD_STATS_WIDTH)
+    if n == 4:  # the module constants are n = 4's record, unchanged
+        L4 = mhc_layout
+        assert (L4.STATS_WIDTH, L4.GRAD_STATS_WIDTH, L4.MIX, L4.RSTD) == (64, 32, 25, 24)
+        assert L == mhc_layout.layout_for(mhc_layout.N_STREAMS)
+
+
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_functions_match_fp64_math(backend, n, dtype):
+    """Every function, one after the other as a layer runs them, against the fp64 reference math on the same
+    inputs (records from the fp64 math, so each function is checked on its own)."""
+    X, fn, scale, base, B, dY, dU = _inputs(n, dtype=dtype)
+    bf16 = dtype == torch.bfloat16
+    out_tol, rec_tol, grad_tol = (4e-3, 1e-3, 1e-2) if bf16 else (1e-3, 1e-3, 2e-3)
+    U, stats = mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, **HP)
+    U64, stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    assert stats.shape == (X.shape[0], mhc_layout.stats_width(n))
+    assert rel_err(U, U64) <= out_tol and rel_err(stats, stats64) <= rec_tol
+    assert torch.equal(mhc.cake_mhc_train_forward_stats(X, fn, scale, base, **HP), stats)
+    L = mhc_layout.layout_for(n)
+    comb = stats64[:, L.COMB:L.COMB + n * n]
+    assert (comb - 1.0 / n).abs().max() > 0.1  # the Sinkhorn had work to do
+    assert (stats[:, L.STATS_USED:] == 0).all()
+
+    Y = mhc.cake_mhc_train_forward_finish(X, B, stats64.float())
+    assert rel_err(Y, ref.forward_finish(*_f64(X, B), stats64)) <= out_tol
+    dB, gs = mhc.cake_mhc_train_backward_prepare(dY, B, X, stats64.float())
+    dB64, gs64 = ref.backward_prepare(*_f64(dY, B, X), stats64)
+    assert gs.shape == (X.shape[0], mhc_layout.grad_stats_width(n)) and (gs[:, L.GRAD_STATS_USED:] == 0).all()
+    assert rel_err(dB, dB64) <= grad_tol and rel_err(gs, gs64) <= grad_tol
+    got = mhc.cake_mhc_train_backward_finish(X, dY, dU, None, fn, scale, base, stats64.float(), gs64.float(), **HP)
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats64, gs64, *HP_ARGS)
+    for name, g, w in zip(("dX", "dfn", "dscale", "dbase"), got, want):
+        assert rel_err(g, w) <= grad_tol, (name, rel_err(g, w))
+    assert rel_err(mhc.cake_mhc_train_head_forward(X), ref.head_forward(X.double())) <= out_tol
+    dX = mhc.cake_mhc_train_head_backward(dU, n_streams=n)
+    assert dX.shape == X.shape and rel_err(dX, ref.head_backward(dU.double(), n)) <= out_tol
+    # a given dX tells n too; accumulate adds into it
+    acc = mhc.cake_mhc_train_head_backward(dU, dX=dX.clone(), accumulate=True)
+    assert rel_err(acc, 2 * ref.head_backward(dU.double(), n)) <= out_tol
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self, C):
+        super().__init__()
+        self.lin = torch.nn.Linear(C, C, dtype=torch.float64)
+
+    def forward(self, u):
+        return torch.tanh(self.lin(u.double())).to(u.dtype)
+
+
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("save_stats", [True, False])
+def test_autograd_layer_matches_the_differentiable_math(backend, n, save_stats):
+    """prepare -> branch -> finish -> head with random upstream gradients, against the reference layer under
+    torch.autograd in fp64 (the Sinkhorn differentiated by autograd, not by our backward)."""
+    X, fn, scale, base, _, _, _ = _inputs(n, T=6, C=24)
+    branch = _Branch(X.shape[-1]).to(DEVICE)
+    g_out = torch.randn(X.shape[0], X.shape[-1]).to(DEVICE)
+    g_y = torch.randn(X.shape).to(DEVICE)
+
+    def run(X, fn, scale, base, ours):
+        if ours:
+            U, handle = mhc.cake_mhc_train_prepare(X, fn, scale, base, save_stats=save_stats, **HP)
+            Y = mhc.cake_mhc_train_finish(X, branch(U), handle)
+            return Y, mhc.cake_mhc_train_head(Y)
+        Y = ref.layer(X, fn, scale, base, branch, *HP_ARGS)
+        return Y, Y.mean(dim=1)
+
+    grads = []
+    for ours, leaves in ((True, [t.clone().requires_grad_() for t in (X, fn, scale, base)]),
+                         (False, [t.double().requires_grad_() for t in (X, fn, scale, base)])):
+        Y, head = run(*leaves, ours)
+        loss = (head * g_out.to(head.dtype)).sum() + (Y * g_y.to(Y.dtype)).sum()
+        grads.append(torch.autograd.grad(loss, leaves))
+    for name, g, w in zip(("X", "fn", "scale", "base"), *grads):
+        assert rel_err(g, w) <= 2e-3, (name, rel_err(g, w))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_opcheck(n):
+    """torch.library.opcheck on every mHC op at n = 2 and 8 (n = 4: test_op_checks / compile_tests)."""
+    X, fn, scale, base, B, dY, dU = _inputs(n, T=5, C=16, dtype=torch.bfloat16)
+    U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X, fn, scale, base, *HP_ARGS, True)
+    _, gs = torch.ops.cakeops.mhc_backward_prepare(dY, B, X, stats)
+    calls = [
+        (torch.ops.cakeops.mhc_prepare, (X, fn, scale, base, *HP_ARGS, True)),
+        (torch.ops.cakeops.mhc_stats, (X, fn, scale, base, *HP_ARGS)),
+        (torch.ops.cakeops.mhc_finish, (X, B, stats, e_dy, e_gs)),
+        (torch.ops.cakeops.mhc_head_fwd, (X,)),
+        (torch.ops.cakeops.mhc_head_bwd, (dU, n)),
+        (torch.ops.cakeops.mhc_backward_prepare, (dY, B, X, stats)),
+        (torch.ops.cakeops.mhc_backward_finish, (X, dY, dU, fn, scale, base, stats, gs, *HP_ARGS, True)),
+    ]
+    for op, args in calls:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_compiled_model_matches_eager(n):
+    """A small model of nn modules at n streams: fullgraph torch.compile (aot_eager) gives eager's gradients."""
+    torch._dynamo.reset()
+    C = 16
+    model = torch.nn.Sequential(cakeops.nn.StreamExpand(n),
+                                cakeops.nn.MHC(torch.nn.Linear(C, C), C, n, sinkhorn_iters=5, hc_eps=0.05),
+                                cakeops.nn.MHC(torch.nn.Linear(C, C), C, n_streams=n, sinkhorn_iters=5),
+                                cakeops.nn.MHCHead(n)).to(DEVICE)
+    x = torch.randn(2, 7, C, device=DEVICE)
+    g = torch.randn(2, 7, C, device=DEVICE)
+
+    def grads(m):
+        model.zero_grad()
+        (m(x) * g).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    eager = grads(model)
+    compiled = grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_tiny_lm_trains_at_n_streams(n):
+    from cakeops.tiny_lm import TinyLM
+
+    model = TinyLM(vocab=32, dim=16, layers=1, heads=2, max_len=16, sinkhorn_iters=3, n_streams=n).to(DEVICE)
+    assert model.blocks[0].n_streams == n and model.blocks[0].fn.shape == (2 * n + n * n, n * 16)
+    loss = model.loss(torch.randint(0, 32, (2, 9), device=DEVICE))
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_supported_query():
+    for n in STREAMS:
+        assert mhc.is_cake_mhc_train_supported("cpu", 64, n)
+    for n in UNSUPPORTED + (True,):
+        assert not mhc.is_cake_mhc_train_supported("cpu", 64, n)
+
+
+SUPPORTED_SET = r"\{2, 4, 8\}"
+
+
+@pytest.mark.parametrize("n", UNSUPPORTED)
+def test_unsupported_n_raises_naming_the_supported_set(n):
+    T, C = 3, 8
+    M = 2 * n + n * n
+    X = torch.randn(T, n, C, device=DEVICE)
+    fn, scale, base = torch.zeros(M, n * C, device=DEVICE), torch.ones(3, device=DEVICE), torch.zeros(M, device=DEVICE)
+    B = torch.zeros(T, C, device=DEVICE)
+    stats, gs = torch.zeros(T, 64, device=DEVICE), torch.zeros(T, 32, device=DEVICE)
+    calls = {
+        "forward_prepare": lambda: mhc.cake_mhc_train_forward_prepare(X, fn, scale, base),
+        "forward_stats": lambda: mhc.cake_mhc_train_forward_stats(X, fn, scale, base),
+        "forward_finish": lambda: mhc.cake_mhc_train_forward_finish(X, B, stats),
+        "head_forward": lambda: mhc.cake_mhc_train_head_forward(X),
+        "head_backward": lambda: mhc.cake_mhc_train_head_backward(B, n_streams=n),
+        "backward_prepare": lambda: mhc.cake_mhc_train_backward_prepare(X, B, X, stats),
+        "backward_finish": lambda: mhc.cake_mhc_train_backward_finish(X, X, B, None, fn, scale, base, stats, gs),
+        "prepare": lambda: mhc.cake_mhc_train_prepare(X, fn, scale, base),
+        "head": lambda: mhc.cake_mhc_train_head(X),
+        "op mhc_prepare": lambda: torch.ops.cakeops.mhc_prepare(X, fn, scale, base, 1e-5, 1e-6, 3, True),
+        "op mhc_finish": lambda: torch.ops.cakeops.mhc_finish(X, B, stats, X, gs),
+        "op mhc_head_fwd": lambda: torch.ops.cakeops.mhc_head_fwd(X),
+        "op mhc_head_bwd": lambda: torch.ops.cakeops.mhc_head_bwd(B, n),
+        "op mhc_backward_finish": lambda: torch.ops.cakeops.mhc_backward_finish(
+            X, X, B, fn, scale, base, stats, gs, 1e-5, 1e-6, 3, True),
+        "nn.MHC": lambda: cakeops.nn.MHC(torch.nn.Identity(), C, n),
+        "nn.MHC keyword": lambda: cakeops.nn.MHC(torch.nn.Identity(), hidden_size=C, n_streams=n),
+        "nn.StreamExpand": lambda: cakeops.nn.StreamExpand(n),
+        "nn.MHCHead": lambda: cakeops.nn.MHCHead(n),
+        "layout": lambda: mhc_layout.layout_for(n),
+    }
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=SUPPORTED_SET):
+            call()
+    with pytest.raises(NotImplementedError, match=rf"n_streams: n = {n} residual streams .*{SUPPORTED_SET}"):
+        cakeops.nn.MHC(torch.nn.Identity(), C, n)
+    with pytest.raises(NotImplementedError, match=rf"^X: n = {n} residual streams .*{SUPPORTED_SET}.*got shape"):
+        mhc.cake_mhc_train_forward_prepare(X, fn, scale, base)
+
+
+def test_finish_config_for_n_keeps_n4_and_given_fields():
+    from cakeops._triton.mhc_backward_finish import STREAM_DEFAULTS, FinishConfig
+
+    assert FinishConfig().resolve(4) == FinishConfig()
+    eight = FinishConfig().resolve(8)
+    assert all(getattr(eight, k) == v for k, v in STREAM_DEFAULTS[8].items())
+    assert FinishConfig(block_c=16).resolve(8).block_c == 16  # a field the caller set is kept
+    assert FinishConfig().resolve(2).dpre_block_t == STREAM_DEFAULTS[2]["dpre_block_t"]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU launch configs of n = 8 (shared memory, registers): GPU only")
+def test_n8_runs_at_a_real_size():
+    X, fn, scale, base, B, dY, dU = _inputs(8, T=512, C=4096, dtype=torch.bfloat16)
+    U, stats = mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, **HP)
+    _, gs = mhc.cake_mhc_train_backward_prepare(dY, B, X, stats)
+    got = mhc.cake_mhc_train_backward_finish(X, dY, dU, None, fn, scale, base, stats, gs, **HP)
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base, stats, gs), *HP_ARGS)
+    U64, stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    assert rel_err(U, U64) <= 4e-3 and rel_err(stats, stats64) <= 1e-3
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-2
