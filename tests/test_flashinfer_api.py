@@ -151,6 +151,35 @@ def test_a_call_with_a_workspace_allocates_nothing(triton_kernels, dtype):
     _no_allocations(lambda: rms.cake_rmsnorm_train_backward(y, x, w, rstd, workspace=ws, dx=dx, dw=dw))
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_workspace_sized_for_n_streams_serves_its_calls(triton_kernels, n):
+    """The workspace helpers' ``n_streams``: n = 2 and 8 calls with their workspace allocate nothing either."""
+    g = torch.Generator().manual_seed(n)
+    m = 2 * n + n * n
+    X = torch.randn(T, n, C, generator=g).to(DEVICE, torch.bfloat16)
+    fn = (torch.randn(m, n * C, generator=g) * 0.05).to(DEVICE)
+    scale, base = torch.tensor([1.0, 1.5, 4.0], device=DEVICE), torch.randn(m, generator=g).to(DEVICE)
+    U, stats = torch.empty(T, C, device=DEVICE, dtype=X.dtype), torch.empty(T, {2: 32, 8: 256}[n], device=DEVICE)
+    fws = mhc.cake_mhc_train_forward_workspace(T, X.device, hidden=C, n_streams=n)
+    bws = mhc.cake_mhc_train_backward_workspace(T, X.device, hidden=C, n_streams=n)
+    _no_allocations(lambda: mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, out=U, stats_out=stats,
+                                                               workspace=fws))
+    B, dY = torch.tanh(U), torch.randn_like(X)
+    gs = mhc.cake_mhc_train_backward_prepare(dY, B, X, stats)[1]
+    dX, dfn = torch.empty_like(X), torch.empty_like(fn)
+    dscale, dbase = torch.empty(3, device=DEVICE), torch.empty(m, device=DEVICE)
+    _no_allocations(lambda: mhc.cake_mhc_train_backward_finish(X, dY, B, B, fn, scale, base, stats, gs,
+                                                               workspace=bws, dX=dX, dfn=dfn, dscale=dscale,
+                                                               dbase=dbase))
+    ref = mhc.cake_mhc_train_backward_finish(X, dY, B, B, fn, scale, base, stats, gs)
+    for got, want in zip((dX, dfn, dscale, dbase), ref):
+        assert torch.equal(got, want)
+    small = mhc.cake_mhc_train_forward_workspace(T, X.device, hidden=C, n_streams=4)
+    if n == 8:  # a workspace sized for 4 streams is too small for 8, and says how to size it
+        with pytest.raises(ValueError, match="n_streams=n"):
+            mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, workspace=small)
+
+
 def test_a_workspace_serves_every_smaller_token_count(triton_kernels):
     """Sized for T tokens, it serves every T' <= T (the column-sliced partials are not monotone in T)."""
     from cakeops._triton.mhc_backward import backward_finish_workspace_numel
