@@ -19,10 +19,13 @@ Backward, two passes over X and dY, X's gradient written once:
   s = rstd^2/K * sum_i dmix_i*mix_i into a small FP32 row per token; per-program partial sums of dbase and
   dscale (fixed-order reduction after, by ``partials.sum_partials``), or atomics.
 * ``_head_dx_kernel``, grid (C chunks) x (token splits): dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through
-  backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and dfn += dz^T @ x on the same x
-  tile, per token split: backward_finish reads X a third time for dfn (its kernel C); here dz has n columns
-  only, and reusing the tile saves that pass (3.5 X-sized transfers instead of 4.5 at n = 4).
+  backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and (``GatedHeadConfig.dfn="fused"``)
+  dfn += dz^T @ x on the same x tile, per token split: backward_finish reads X a third time for dfn (its kernel
+  C, which ``dfn="separate"`` runs here with M = n logits); reusing the tile saves that pass but costs the dX
+  kernel registers (sm_90 build at n = 4: 168 fused, 80 without), as it cost backward_finish's B (docs/perf.md).
   Deterministic: the [splits, n, n*C] dfn partials are summed in a fixed order; otherwise atomics.
+  Launch shapes and their alternatives: GatedHeadConfig; ``python -m cakeops.bench.tune --ops gated_head`` times
+  them, ``python -m cakeops.bench.build_check`` compiles them for sm_90 without a GPU (shared memory, registers).
 
 Record layout: meta/mhc_head_layout.py. FP32 inside, IEEE division and square root, every output rounded
 once. Any n in meta/mhc_head_layout.SUPPORTED_N (N constexpr). Launchers do no argument validation (the public
@@ -158,22 +161,24 @@ class GatedHeadConfig:
         dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
         builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
         G = GatedHeadConfig
-        for per_sm, elems in ((2, 256), (4, 256), (4, 128), (6, 128)):
-            yield G(dx_per_sm=per_sm, dx_elems=elems)
-        yield G(dx_stages=3)
-        yield G(dx_maxnreg=128, dx_per_sm=4)
+        # first what the sm_90 builds point at (a short sweep may stop early): the separate dfn kernel (dX kernel
+        # 80 registers instead of 168) with the dgate pass reduced per chunk (128 registers instead of 255)
+        yield G(dfn="separate", dx_per_sm=4, dgate_reduce_per_chunk=True)
+        yield G(dfn="separate", dx_per_sm=6, dx_elems=128, dgate_reduce_per_chunk=True)
+        yield G(dfn="separate", dx_per_sm=6, dgate_reduce_per_chunk=True)
+        yield G(dgate_reduce_per_chunk=True)
         for per_sm, elems, stages in ((None, 256, 2), (4, 256, 2), (5, 256, 3), (6, 128, 2)):
             yield G(dfn="separate", dx_per_sm=per_sm, dx_elems=elems, dx_stages=stages)
         yield G(dfn="separate", dx_per_sm=4, dfn_block_c=512, dfn_per_sm=1)
         yield G(dfn="separate", dx_per_sm=4, dx_maxnreg=128)
-        # the dgate pass: 255 registers at the default (2 programs per SM); 128 when reduced per chunk (4 per SM).
-        # X as one tile (dgate_x_per_stream=False) spills 604 bytes on sm_90: not swept.
-        yield G(dgate_reduce_per_chunk=True)
+        # the dgate pass (X as one tile, dgate_x_per_stream=False, spills 604 bytes on sm_90: not swept)
         yield G(dgate_elems=64)
         yield G(dgate_elems=256, dgate_reduce_per_chunk=True, dgate_warps=8)
-        # both: the separate dfn and the dgate pass reduced per chunk
-        yield G(dfn="separate", dx_per_sm=4, dgate_reduce_per_chunk=True)
-        yield G(dfn="separate", dx_per_sm=6, dx_elems=128, dgate_reduce_per_chunk=True)
+        # the fused dX + dfn kernel: programs per SM, tile widths, stages, a register cap
+        for per_sm, elems in ((2, 256), (4, 256), (4, 128), (6, 128)):
+            yield G(dx_per_sm=per_sm, dx_elems=elems)
+        yield G(dx_stages=3)
+        yield G(dx_maxnreg=128, dx_per_sm=4)
 
 
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
