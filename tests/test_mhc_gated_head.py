@@ -163,6 +163,76 @@ def test_kernels_with_slices_chunks_and_token_splits(triton_kernels, gen, n):
             assert_close(f"{name} (deterministic={deterministic})", g, w, grad_tol(torch.float32, name))
 
 
+CANDIDATES = list(K.GatedHeadConfig.candidates())
+
+
+def _label(cfg):
+    import dataclasses
+    return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                    if getattr(cfg, f.name) != f.default)
+
+
+def _backward_with(case, stats, cfg, deterministic=True):
+    X, (fn, scale, base) = case.X, (p.float() for p in case.params)
+    n = X.shape[1]
+    outs = [torch.full(s, float("nan"), device=DEVICE) for s in (fn.shape, (1,), (n,))]
+    dX = torch.full(X.shape, float("nan"), device=DEVICE, dtype=X.dtype)
+    K.backward(case.dY, X, fn, scale, base, stats, dX, *outs, deterministic=deterministic, config=cfg)
+    return [dX, *outs]
+
+
+@pytest.mark.parametrize("cfg", CANDIDATES, ids=[_label(c) for c in CANDIDATES])
+def test_every_tuner_candidate_computes_the_defaults_results(triton_kernels, gen, cfg):
+    """What ``python -m cakeops.bench.tune --ops gated_head`` may pick: dX bitwise the default's (the same
+    per-element math; dg summed in the same order unless reduced per chunk), dfn / dscale / dbase within FP32
+    rounding of it (another summation order over tokens for the separate dfn kernel), all against fp64."""
+    case = Case(gen, 37, 4, 72, torch.float32)
+    stats = R.forward_stats(*case.f64(case.X, *case.params), case.rms_eps, case.hc_eps).float()
+    want = _backward_with(case, stats, None)
+    got = _backward_with(case, stats, cfg)
+    if not cfg.dgate_reduce_per_chunk:
+        assert torch.equal(got[0], want[0]), "dX"
+    for name, g, w, r in zip(("dX", "dfn", "dscale", "dbase"), got, want, case.ref_backward()):
+        assert_close(f"{name} vs the default", g, w, 2e-3 if ON_GPU else 1e-5)
+        assert_close(name, g, r, grad_tol(torch.float32, name))
+
+
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_separate_dfn_and_per_chunk_dgate_at_other_stream_counts(triton_kernels, gen, n, deterministic):
+    case = Case(gen, 37, n, 40, torch.float32)
+    stats = R.forward_stats(*case.f64(case.X, *case.params), case.rms_eps, case.hc_eps).float()
+    cfg = K.GatedHeadConfig(dfn="separate", dgate_reduce_per_chunk=True, dgate_block_c=16, dfn_block_t=16,
+                            dfn_block_c=16, dfn_splits=2)
+    for name, g, r in zip(("dX", "dfn", "dscale", "dbase"), _backward_with(case, stats, cfg, deterministic),
+                          case.ref_backward()):
+        assert_close(name, g, r, grad_tol(torch.float32, name))
+
+
+def test_kernels_fit_shared_memory_on_sm90_and_sm80():
+    """Every n's projection (the kernel whose pipeline grows with n) and the backward's big kernels, compiled for
+    sm_90 and sm_80 by triton's own compiler at the launch shapes the launchers pick for a 132-SM GPU (no GPU
+    used: python -m cakeops.bench.build_check). A subprocess: the interpreter's triton.jit compiles nothing."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton without its NVIDIA backend's ptxas")
+    code = ("import sys; from cakeops.bench.build_check import check; "
+            "heavy = {'_head_project_kernel', '_head_dx_kernel', '_head_dgate_kernel'}; "
+            "shapes = [(4096, n, 1024) for n in (2, 4, 8)]; "
+            "ok = check(shapes, sm=90, kernels=heavy) & check(shapes, sm=80, kernels={'_head_project_kernel'}); "
+            "sys.exit(0 if ok else 1)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+
+
 def test_strided_inputs_are_read_in_place_and_give_the_same_bits(backend, gen):
     """Row-strided X and dY (unit stride along C) give the bits of their contiguous copies."""
     case = Case(gen, 9, 4, 24, torch.bfloat16)

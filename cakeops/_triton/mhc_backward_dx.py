@@ -74,11 +74,12 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
 @triton.jit
 def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0):
     """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
-    C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials."""
-    M = 2 * N + N * N
+    C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
+    (the gated head's n), else the mHC layer's 2n + n^2."""
+    M = 2 * N + N * N if LOGITS == 0 else LOGITS
     c_blocks = tl.cdiv(C, BLOCK_C)
     i = tl.program_id(0) // c_blocks
     c = (tl.program_id(0) % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)

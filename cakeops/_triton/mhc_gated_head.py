@@ -19,16 +19,19 @@ Backward, two passes over X and dY, X's gradient written once:
   s = rstd^2/K * sum_i dmix_i*mix_i into a small FP32 row per token; per-program partial sums of dbase and
   dscale (fixed-order reduction after, by ``partials.sum_partials``), or atomics.
 * ``_head_dx_kernel``, grid (C chunks) x (token splits): dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through
-  backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and dfn += dz^T @ x on the same x
-  tile, per token split: backward_finish reads X a third time for dfn (its kernel C); here dz has n columns
-  only, and reusing the tile saves that pass (3.5 X-sized transfers instead of 4.5 at n = 4).
+  backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and (``GatedHeadConfig.dfn="fused"``)
+  dfn += dz^T @ x on the same x tile, per token split: backward_finish reads X a third time for dfn (its kernel
+  C, which ``dfn="separate"`` runs here with M = n logits); reusing the tile saves that pass but costs the dX
+  kernel registers (sm_90 build at n = 4: 168 fused, 80 without), as it cost backward_finish's B (docs/perf.md).
   Deterministic: the [splits, n, n*C] dfn partials are summed in a fixed order; otherwise atomics.
+  Launch shapes and their alternatives: GatedHeadConfig; ``python -m cakeops.bench.tune --ops gated_head`` times
+  them, ``python -m cakeops.bench.build_check`` compiles them for sm_90 without a GPU (shared memory, registers).
 
 Record layout: meta/mhc_head_layout.py. FP32 inside, IEEE division and square root, every output rounded
 once. Any n in meta/mhc_head_layout.SUPPORTED_N (N constexpr). Launchers do no argument validation (the public
 layer does); X is [T, n, C] with unit stride along C and any token / stream strides.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,8 +42,8 @@ from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
-from .mhc_backward_dx import _dx_tile
-from .mhc_backward_finish import _precision, _split, _stages
+from .mhc_backward_dx import _dfn_kernel, _dx_tile
+from .mhc_backward_finish import _precision, _register_cap, _split, _stages
 from .mhc_math import sigmoid
 from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
 from .mhc_streams import StreamConfig, collapse
@@ -105,12 +108,25 @@ def _head_gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps,
 
 @dataclass(frozen=True)
 class GatedHeadConfig:
-    """Launch shape of the gated head, forward and backward. Not tuned on a GPU yet: the forward projection
-    takes forward_prepare's measured launch shape (``projection``, resolved per call by PrepareConfig: 128-token
-    blocks, column slices when T has fewer blocks than the GPU has multiprocessors), the dX kernel
-    backward_finish's kernel B shape (16-token blocks, ~4 programs per SM), scaled by n so that the
-    [n, tokens, columns] tiles keep the register footprint of n = 4."""
+    """Launch shape of the gated head, forward and backward; ``candidates`` is what ``python -m cakeops.bench.tune
+    --ops gated_head`` sweeps. Not tuned on a GPU yet (H200, 2026-12-01: forward 0.305 ms, backward 1.336 ms with
+    these defaults at n = 4).
+
+    Forward: the projection takes forward_prepare's measured launch shape (``projection``, resolved per call by
+    PrepareConfig: 128-token blocks, 8 warps, 3 stages, column slices when T has fewer blocks than the GPU has
+    multiprocessors) with ``project_cols // n`` columns per stream and chunk when ``projection.block_c`` is None:
+    a chunk loads all n streams, so the pipeline's shared memory is (stages - 1) * n * block_c * (2 block_t +
+    4 M_PAD) bytes plus 16 KiB: 180224 at every n on sm_90 (the 232448 limit) and 163840 on sm_80 (166912);
+    n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check).
+
+    Backward: the dgate pass, then per-token dlogits, then dX through backward_finish's kernel B tile (16-token
+    blocks, ``dx_elems // n`` columns) with dfn either accumulated on the same x tile (``dfn="fused"``) or by
+    backward_finish's kernel C, a skinny GEMM that reads X once more (``dfn="separate"``: perf.md measured the
+    fused form costing kernel B ~0.3 ms in backward_finish). ``dx_per_sm``: programs per SM the token splits are
+    sized for; None takes 3 at n = 4 (the sm_90 build holds 168 registers: 3 fit) and 2 at n = 2, 8 (253-255
+    registers: a grid sized for 3 ran 1.45 waves)."""
     projection: PrepareConfig = PrepareConfig()
+    project_cols: int = 256          # forward projection: n * columns per chunk when projection.block_c is None
     gates_block_t: int = 64          # forward gates and backward dlogits: tokens per program
     gates_warps: int = 2
     collapse_block_c: Optional[int] = None  # the collapse Y (mhc_streams.StreamConfig)
@@ -118,21 +134,60 @@ class GatedHeadConfig:
     dgate_block_c: int = 128
     dgate_warps: int = 4
     dgate_slices: Optional[int] = None  # column slices; None: enough programs to fill the GPU
-    dx_block_t: int = 16             # dX + dfn kernel: tokens per block (a tl.dot dimension, >= 16)
+    dgate_x_per_stream: bool = True  # dgate pass: X as n tiles in dY's layout (False: one [n, tokens, cols] tile)
+    dgate_reduce_per_chunk: bool = False  # dgate pass: reduce over columns every chunk (small accumulator)
+    dx_block_t: int = 16             # dX kernel: tokens per block (a tl.dot dimension, >= 16)
     dx_elems: int = 256              # dX kernel: n * columns per program (64 columns at n = 4)
     dx_warps: int = 4
     dx_stages: Optional[int] = 2
-    dx_per_sm: int = 3               # backward_finish's B runs 4 per SM at 128 registers; this kernel also holds
-    #                                  the dfn accumulator (~+32 registers at 64 columns), so 3 fit in one wave
+    dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 3 at n = 4, else 2)
     dx_splits: Optional[int] = None
+    dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
+    dfn: str = "fused"               # "fused" into the dX kernel, or "separate" (backward_finish's kernel C)
+    dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
+    dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
+    dfn_warps: int = 4
+    dfn_stages: Optional[int] = 3
+    dfn_per_sm: int = 2
+    dfn_splits: Optional[int] = None
+
+    def dx_programs_per_sm(self, n: int) -> int:
+        return self.dx_per_sm if self.dx_per_sm is not None else (3 if n == 4 else 2)
 
     @staticmethod
     def candidates():
-        """Variants for a tuner (python -m cakeops.bench.tune does not sweep them yet)."""
-        for per_sm, elems in ((4, 256), (2, 256), (6, 128), (2, 512)):
-            yield GatedHeadConfig(dx_per_sm=per_sm, dx_elems=elems)
-        yield GatedHeadConfig(dgate_elems=64)
+        """The tuner's variants of the backward besides the default: dX programs per SM and tile widths, the separate
+        dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
+        builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
+        G = GatedHeadConfig
+        # first what the sm_90 builds point at (a short sweep may stop early): the separate dfn kernel (dX kernel
+        # 80 registers instead of 168) with the dgate pass reduced per chunk (128 registers instead of 255)
+        yield G(dfn="separate", dx_per_sm=4, dgate_reduce_per_chunk=True)
+        yield G(dfn="separate", dx_per_sm=6, dx_elems=128, dgate_reduce_per_chunk=True)
+        yield G(dfn="separate", dx_per_sm=6, dgate_reduce_per_chunk=True)
+        yield G(dgate_reduce_per_chunk=True)
+        for per_sm, elems, stages in ((None, 256, 2), (4, 256, 2), (5, 256, 3), (6, 128, 2)):
+            yield G(dfn="separate", dx_per_sm=per_sm, dx_elems=elems, dx_stages=stages)
+        yield G(dfn="separate", dx_per_sm=4, dfn_block_c=512, dfn_per_sm=1)
+        yield G(dfn="separate", dx_per_sm=4, dx_maxnreg=128)
+        # the dgate pass (X as one tile, dgate_x_per_stream=False, spills 604 bytes on sm_90: not swept)
+        yield G(dgate_elems=64)
+        yield G(dgate_elems=256, dgate_reduce_per_chunk=True, dgate_warps=8)
+        # the fused dX + dfn kernel: programs per SM, tile widths, stages, a register cap
+        for per_sm, elems in ((2, 256), (4, 256), (4, 128), (6, 128)):
+            yield G(dx_per_sm=per_sm, dx_elems=elems)
+        yield G(dx_stages=3)
+        yield G(dx_maxnreg=128, dx_per_sm=4)
+
+
+def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
+    """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given."""
+    T, n, C = X.shape
+    proj = cfg.projection
+    if proj.block_c is None:
+        proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
+    return proj.resolve(X)
 
 
 def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
@@ -148,7 +203,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert stats.is_contiguous() and stats.shape == (T, layout.HEAD_STATS_WIDTH) and stats.dtype == torch.float32
     assert Y is None or (Y.shape == (T, C) and Y.stride(1) == 1)
     cfg = config or GatedHeadConfig()
-    proj = cfg.projection.resolve(X)
+    proj = _projection(cfg, X)
     cols = cdiv(cdiv(C, proj.slices), proj.block_c) * proj.block_c
     part = torch.empty(cdiv(C, cols), T, M_PAD, dtype=torch.float32, device=X.device)
     presplit = proj.presplit and X.dtype == torch.bfloat16
@@ -176,10 +231,14 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 @triton.jit
 def _head_dgate_kernel(X, DY, DG, T, C, cols, stride_xt, stride_xi, stride_dyt,
-                       N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                       N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                       X_PER_STREAM: tl.constexpr = True, REDUCE_PER_CHUNK: tl.constexpr = False):
     """Program (token block, column slice): dg_i = sum_c dY[t, c] * X[t, i, c] over the slice into DG
-    [slices, T, N]. [N, BLOCK_T, BLOCK_C] tiles, the stream axis first, X loaded per stream in dY's layout
-    (as _dx_tile does), reduced once after the chunk loop. Both inputs are streamed once: evict first."""
+    [slices, T, N]. [N, BLOCK_T, BLOCK_C] tiles, the stream axis first; X loaded per stream in dY's layout
+    (as _dx_tile does) or as one [N, BLOCK_T, BLOCK_C] tile (X_PER_STREAM=False); the products reduced once
+    after the chunk loop ([N, BLOCK_T, BLOCK_C] FP32 accumulator: 128 registers per thread at the defaults) or
+    per chunk into [N, BLOCK_T] (REDUCE_PER_CHUNK: fewer registers, a reduction per chunk; another summation
+    order, so dg differs in the last bits). Both inputs are streamed once: evict first."""
     i = tl.arange(0, N)[:, None, None]
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
     t_ok = t < T
@@ -187,18 +246,31 @@ def _head_dgate_kernel(X, DY, DG, T, C, cols, stride_xt, stride_xi, stride_dyt,
     c_lo = tl.program_id(1) * cols
     c_hi = tl.minimum(C, c_lo + cols)
     x_row = X + t64 * stride_xt
-    acc = tl.zeros([N, BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if REDUCE_PER_CHUNK:
+        acc = tl.zeros([N, BLOCK_T], dtype=tl.float32)
+    else:
+        acc = tl.zeros([N, BLOCK_T, BLOCK_C], dtype=tl.float32)
     for c0 in range(c_lo, c_hi, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)[None, None, :]
         mask = t_ok & (c < c_hi)
         dy = tl.load(DY + t64 * stride_dyt + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x = tl.where(i == 0, tl.load(x_row + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
-                     0.0)
-        for k in tl.static_range(1, N):
-            x = tl.where(i == k, tl.load(x_row + k * stride_xi + c, mask=mask, other=0.0,
-                                         eviction_policy="evict_first").to(tl.float32), x)
-        acc += dy * x
-    dg = tl.sum(acc, axis=2)  # [N, BLOCK_T]
+        if X_PER_STREAM:
+            x = tl.where(i == 0, tl.load(x_row + c, mask=mask, other=0.0,
+                                         eviction_policy="evict_first").to(tl.float32), 0.0)
+            for k in tl.static_range(1, N):
+                x = tl.where(i == k, tl.load(x_row + k * stride_xi + c, mask=mask, other=0.0,
+                                             eviction_policy="evict_first").to(tl.float32), x)
+        else:
+            x = tl.load(x_row + i * stride_xi + c, mask=mask & (i < N), other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        if REDUCE_PER_CHUNK:
+            acc += tl.sum(dy * x, axis=2)
+        else:
+            acc += dy * x
+    if REDUCE_PER_CHUNK:
+        dg = acc
+    else:
+        dg = tl.sum(acc, axis=2)  # [N, BLOCK_T]
     j = tl.arange(0, N)[:, None]
     tt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     tl.store(DG + (tl.program_id(1) * T + tt).to(tl.int64) * N + j, dg, mask=(tt < T) & (j < N))
@@ -244,8 +316,10 @@ def _head_dlogits_kernel(DG, STATS, SCALE, BASE, DZ, PART, DBASE, DSCALE, T, C, 
 def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                     stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
                     N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, X_PER_STREAM: tl.constexpr):
-    """dX over (C chunk) x (a range of token blocks), and that range's dfn columns of the chunk.
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, X_PER_STREAM: tl.constexpr,
+                    FUSED_DFN: tl.constexpr = True):
+    """dX over (C chunk) x (a range of token blocks), and (FUSED_DFN) that range's dfn columns of the chunk;
+    without FUSED_DFN it is backward_finish's kernel B without the mixing term and DFN is unused.
 
     Per token block, backward_finish's _dx_tile with the gates as its ``pre`` and no mixing term:
     dX = round(g_i*dY - x_i*s + (dz @ fn)_i); then dfn[:, i*C + c] += dz^T @ x_i on the x tile it loaded.
@@ -270,15 +344,17 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
         s = tl.load(DZ + t64 * M_PAD + N, mask=t_ok, other=0.0)
         x = _dx_tile(X, DY, DY, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, 0, 0, stride_dyt,
                      _WIDTH, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, False)
-        t_col = block * BLOCK_T + tt_col
-        dz_t = tl.load(DZ + t_col.to(tl.int64) * M_PAD + m_row, mask=(t_col < T) & (m_row < N), other=0.0)
-        dfn = tl.dot(tl.broadcast_to(dz_t, (N, M_PAD, BLOCK_T)), x, dfn, input_precision=PRECISION)
-    dst = m_row * (N * C) + i * C + c
-    ok = (m_row < N) & c_ok & (i < N)  # at the full shape: the interpreter's atomics do not broadcast masks
-    if ATOMIC:
-        tl.atomic_add(DFN + dst, dfn, mask=ok)
-    else:
-        tl.store(DFN + tl.program_id(1).to(tl.int64) * (N * N * C) + dst, dfn, mask=ok)
+        if FUSED_DFN:
+            t_col = block * BLOCK_T + tt_col
+            dz_t = tl.load(DZ + t_col.to(tl.int64) * M_PAD + m_row, mask=(t_col < T) & (m_row < N), other=0.0)
+            dfn = tl.dot(tl.broadcast_to(dz_t, (N, M_PAD, BLOCK_T)), x, dfn, input_precision=PRECISION)
+    if FUSED_DFN:
+        dst = m_row * (N * C) + i * C + c
+        ok = (m_row < N) & c_ok & (i < N)  # at the full shape: the interpreter's atomics do not broadcast masks
+        if ATOMIC:
+            tl.atomic_add(DFN + dst, dfn, mask=ok)
+        else:
+            tl.store(DFN + tl.program_id(1).to(tl.int64) * (N * N * C) + dst, dfn, mask=ok)
 
 
 class _Plan(NamedTuple):
@@ -286,8 +362,9 @@ class _Plan(NamedTuple):
     dgate_block_c: int
     dgate_cols: int
     dx: tuple             # mhc_backward_finish._Split
+    dfn: tuple            # the separate dfn kernel's _Split (dfn="separate"), else dx
     # FP32 workspace, in order: dg partials [slices, T, n] | dz rows [T, M_PAD] | dbase/dscale partials
-    # [programs, n + 1] | dfn partials [splits, n, n*C] (deterministic only)
+    # [programs, n + 1] | dfn partials [splits, n, n*C] (deterministic only; splits of the kernel computing dfn)
     sizes: tuple
 
 
@@ -299,10 +376,15 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         blocks = cdiv(T, block_t)
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
-    dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elems // n), cfg.dx_per_sm, cfg.dx_splits)
+    dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elems // n), cfg.dx_programs_per_sm(n), cfg.dx_splits)
+    dfn = dx
+    if cfg.dfn == "separate":
+        dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
+    else:
+        assert cfg.dfn == "fused", f"GatedHeadConfig.dfn: 'fused' or 'separate', not {cfg.dfn!r}"
     sizes = (cdiv(C, cols) * T * n, T * M_PAD, cdiv(T, cfg.gates_block_t) * (n + 1),
-             dx.splits * n * n * C if deterministic else 0)
-    return _Plan(block_t, block_c, cols, dx, sizes)
+             dfn.splits * n * n * C if deterministic else 0)
+    return _Plan(block_t, block_c, cols, dx, dfn, sizes)
 
 
 def backward_workspace_numel(T: int, n: int, C: int, device, deterministic: bool = True,
@@ -344,7 +426,8 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     slices = cdiv(C, plan.dgate_cols)
     _head_dgate_kernel[(cdiv(T, plan.dgate_block_t), slices)](
         X, dY, dg, T, C, plan.dgate_cols, X.stride(0), X.stride(1), dY.stride(0),
-        N=n, BLOCK_T=plan.dgate_block_t, BLOCK_C=plan.dgate_block_c, num_warps=cfg.dgate_warps,
+        N=n, BLOCK_T=plan.dgate_block_t, BLOCK_C=plan.dgate_block_c, X_PER_STREAM=cfg.dgate_x_per_stream,
+        REDUCE_PER_CHUNK=cfg.dgate_reduce_per_chunk, num_warps=cfg.dgate_warps,
     )
     programs = cdiv(T, cfg.gates_block_t)
     _head_dlogits_kernel[(programs,)](
@@ -356,12 +439,20 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         sum_partials(part[:, :n], dbase, accumulate)
         sum_partials(part[:, n:], dscale, accumulate)
     precision = _precision(X.dtype)
+    fused = cfg.dfn == "fused"
     _head_dx_kernel[(plan.dx.columns, plan.dx.splits)](
         X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.dx_warps, **_stages(cfg.dx_stages),
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_warps, **_stages(cfg.dx_stages),
+        **_register_cap(cfg.dx_maxnreg),
     )
+    if not fused:
+        _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
+            X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+            N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
+            BLOCK_C=plan.dfn.block_c, LOGITS=n, num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+        )
     if not atomic:
         width = n * n * C
-        sum_partials(dfn_part.view(plan.dx.splits, width), dfn.view(width), accumulate, max_block=1024, block_p=8)
+        sum_partials(dfn_part.view(plan.dfn.splits, width), dfn.view(width), accumulate, max_block=1024, block_p=8)

@@ -1,9 +1,14 @@
 """``python -m cakeops.bench.tune [--ops OPS] [--out DIR]``: sweep the launch shapes of the mHC kernels
-(prepare, backward_prepare, backward_finish, head_backward) on a GPU, check every variant against the default's
-outputs, and print the fastest (with each kernel's GPU time).
+(prepare, backward_prepare, backward_finish, head_backward, gated_head) on a GPU, check every variant against the
+default's outputs, and print the fastest (with each kernel's GPU time).
 
 One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
 defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096 unless --T / --C; bf16, sinkhorn_iters=20.
+
+``--ops gated_head`` (not in the default list): the gated head's backward candidates (GatedHeadConfig) at n = 4,
+then the default and the fastest at n = 2 and 8, and the forward at n = 2, 4, 8; the copy ceiling of X in the same
+run, per-kernel GPU times of the default and the fastest, and a last line naming the config to make default.
+``--budget-s`` stops the sweep (not the final comparisons) when it has run that long.
 """
 import argparse
 import dataclasses
@@ -160,6 +165,141 @@ def sweep(op, device, inputs, match: str = ""):
     return rows
 
 
+def _as_code(cfg) -> str:
+    """The fields of ``cfg`` that differ from the class defaults, as a constructor call."""
+    fields = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default]
+    return f"{type(cfg).__name__}({', '.join(fields)})"
+
+
+def _gated_inputs(device, T: int, n: int, C: int):
+    g = torch.Generator(device=device).manual_seed(0)
+    X = torch.randn(T, n, C, device=device, generator=g).bfloat16()
+    fn = torch.randn(n, n * C, device=device, generator=g) / (n * C) ** 0.5
+    scale = torch.tensor([3.0], device=device)
+    base = torch.randn(n, device=device, generator=g)
+    dY = torch.randn(T, C, device=device, generator=g).bfloat16()
+    return X, fn, scale, base, dY
+
+
+def _gated_traffic(X, cfg) -> int:
+    """Bytes the backward's kernels move with this config (bf16 X, dY, dX; the small FP32 rows left out):
+    dgate X + dY, dX kernel X + dY + dX, the separate dfn kernel X once more."""
+    T, n, C = X.shape
+    x, dy = X.nbytes, T * C * X.element_size()
+    return 3 * x + 2 * dy + (x if cfg is not None and cfg.dfn == "separate" else 0)
+
+
+def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 150.0):
+    """The gated head's backward over GatedHeadConfig's candidates at n = 4, then the default and the fastest at
+    n = 2, 8, and the forward at every n. Returns the rows (also printed)."""
+    import time
+
+    from .._triton import mhc_gated_head as K
+    from ..meta.mhc_head_layout import HEAD_STATS_WIDTH
+    from .core import copy_gbps
+
+    t_start = time.perf_counter()
+    HPG = (1e-5, 1e-6)
+    rows = []
+
+    def setup(n):
+        X, fn, scale, base, dY = _gated_inputs(device, T, n, C)
+        stats = torch.empty(T, HEAD_STATS_WIDTH, device=device)
+        K.forward(X, fn, scale, base, *HPG, stats, None)
+        return X, fn, scale, base, dY, stats
+
+    def bwd(inputs, cfg):
+        X, fn, scale, base, dY, stats = inputs
+        n = X.shape[1]
+        outs = (torch.empty_like(X), torch.empty_like(fn), torch.empty(1, device=device), torch.empty(n, device=device))
+        call = lambda: K.backward(dY, X, fn, scale, base, stats, *outs, config=cfg)  # noqa: E731
+        call()
+        return call, outs
+
+    def measure(inputs, cfg, name, reference, details):
+        X = inputs[0]
+        n = X.shape[1]
+        minimal = 2 * X.nbytes + inputs[4].nbytes  # X, dY, dX: the 2.25 X of the target at n = 4
+        try:
+            call, outs = bwd(inputs, cfg)
+            err = 0.0 if reference is None else max(rel_err(o, r) for o, r in zip(outs, reference))
+            same_dx = reference is None or torch.equal(outs[0], reference[0])
+            ms = median_ms(call)
+            row = {"op": f"gated_head_bwd n={n}", "variant": name, "config": cfg, "ms": ms,
+                   "gbps": gbps(minimal, ms), "traffic_gbps": gbps(_gated_traffic(X, cfg), ms),
+                   "max_rel_diff": err, "dx_bitwise": same_dx, "outs": outs}
+            if details:
+                row["kernels_us"], row["registers"] = kernel_us(call), kernel_regs(call)
+        except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported
+            row = {"op": f"gated_head_bwd n={n}", "variant": name, "config": cfg,
+                   "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        if name != "default":
+            row.pop("outs", None)  # only the default's outputs are kept (the reference of the others)
+        rows.append(row)
+        print(f"{row['op']:17s} {name[:90]:90s} " + (
+            f"{row['ms']:.3f} ms {row['gbps']:6.0f} GB/s minimal ({row['traffic_gbps']:5.0f} on its traffic) "
+            f"diff {row['max_rel_diff']:.1e} dX {'bitwise' if row['dx_bitwise'] else 'differs'}"
+            if "ms" in row else row["error"]), flush=True)
+        for key in ("kernels_us", "registers"):
+            if key in row:
+                print(f"{'':19s}{key}: {row[key]}", flush=True)
+        return row
+
+    n4 = setup(4)
+    X = n4[0]
+    dst = torch.empty_like(X)
+    copy_ms = median_ms(lambda: dst.copy_(X))
+    ceiling = gbps(2 * X.nbytes, copy_ms)
+    del dst
+    print(f"copy ceiling: X.copy_ ({X.nbytes >> 20} MiB) {copy_ms:.3f} ms = {ceiling:.0f} GB/s; 2 GiB copy "
+          f"{copy_gbps(device):.0f} GB/s. Backward minimal bytes X + dY + dX = {(2 * X.nbytes + n4[4].nbytes) >> 20} "
+          f"MiB: {(2 * X.nbytes + n4[4].nbytes) / ceiling / 1e6:.3f} ms at the ceiling", flush=True)
+    default = measure(n4, None, "default", None, True)
+    reference = default.get("outs")
+    n4_rows = [default]
+    for cfg, name in selected(_variants(K.GatedHeadConfig), match):
+        if cfg is None:
+            continue
+        if time.perf_counter() - t_start > budget_s:
+            print(f"budget of {budget_s:.0f} s spent: the remaining candidates are skipped", flush=True)
+            break
+        n4_rows.append(measure(n4, cfg, _label(cfg), reference, False))
+    ok = [r for r in n4_rows if "ms" in r and r["max_rel_diff"] <= 1e-2]
+    best = min(ok, key=lambda r: r["ms"])
+    if best is not default:
+        print("the fastest at n = 4, per kernel:", flush=True)
+        measure(n4, best["config"], "fastest: " + best["variant"], reference, True)
+    del n4, X, reference
+    for r in rows:
+        r.pop("outs", None)
+    for n in (2, 8):
+        inputs = setup(n)
+        ref_n = measure(inputs, None, "default", None, True).pop("outs", None)
+        if best is not default:
+            measure(inputs, best["config"], "fastest: " + best["variant"], ref_n, True).pop("outs", None)
+        del inputs, ref_n
+    for n in (2, 4, 8):  # the forward, briefly: Y + stats, minimal bytes X + Y
+        X, fn, scale, base, _ = _gated_inputs(device, T, n, C)
+        stats, Y = torch.empty(T, HEAD_STATS_WIDTH, device=device), torch.empty(T, C, device=device, dtype=X.dtype)
+        call = lambda: K.forward(X, fn, scale, base, *HPG, stats, Y)  # noqa: E731
+        call()
+        ms = median_ms(call)
+        row = {"op": f"gated_head_fwd n={n}", "variant": "default", "ms": ms, "gbps": gbps(X.nbytes + Y.nbytes, ms),
+               "kernels_us": kernel_us(call), "registers": kernel_regs(call)}
+        rows.append(row)
+        print(f"{row['op']:17s} default {ms:.3f} ms {row['gbps']:6.0f} GB/s minimal\n{'':19s}kernels_us: "
+              f"{row['kernels_us']}\n{'':19s}registers: {row['registers']}", flush=True)
+    for r in rows:
+        r.pop("outs", None)
+        if r.get("config") is not None:
+            r["config"] = repr(r["config"])
+    print(f"\nSUMMARY gated head bwd n=4 T={T} C={C}: default {default['ms']:.3f} ms, fastest {best['ms']:.3f} ms "
+          f"({best['gbps']:.0f} GB/s minimal, copy ceiling {ceiling:.0f}) with {best['variant']}; "
+          f"make default: {_as_code(best['config']) if best is not default else 'keep the current default'} "
+          f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="prepare,backward_prepare,backward_finish,head_backward")
@@ -167,20 +307,25 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=16384, help="tokens (default 16384)")
     p.add_argument("--C", type=int, default=4096, help="hidden size per stream (default 4096)")
     p.add_argument("--match", default="", help="only the variants whose label contains this (and the default)")
+    p.add_argument("--budget-s", type=float, default=150.0, help="gated_head: stop the candidate sweep after this long")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune needs a CUDA device: it times launch shapes (nothing to learn from the CPU)")
         return 0
     device = torch.device("cuda")
-    inputs = _inputs(device, args.T, args.C)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    inputs = _inputs(device, args.T, args.C) if any(op != "gated_head" for op in ops) else None
     rows = []
-    for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
-        rows += sweep(op, device, inputs, args.match)
+    for op in ops:
+        if op == "gated_head":
+            rows += sweep_gated_head(device, args.T, args.C, args.match, args.budget_s)
+        else:
+            rows += sweep(op, device, inputs, args.match)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune.json").write_text(json.dumps(rows, indent=1))
+    (args.out / "tune.json").write_text(json.dumps(rows, indent=1, default=str))
     print("\nfastest per op (max rel diff vs the default <= 1e-2):")
     for op in dict.fromkeys(r["op"] for r in rows):
-        ok = [r for r in rows if r["op"] == op and "ms" in r and r["max_rel_diff"] <= 1e-2]
+        ok = [r for r in rows if r["op"] == op and "ms" in r and r.get("max_rel_diff", 0.0) <= 1e-2]
         for r in sorted(ok, key=lambda r: r["ms"])[:3]:
             print(f"  {op:17s} {r['ms']:.3f} ms {r['gbps']:6.0f} GB/s  {r['variant']}")
     return 0

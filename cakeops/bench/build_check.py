@@ -1,0 +1,218 @@
+"""``python -m cakeops.bench.build_check [--n 2,4,8] [--T 16384] [--C 4096] [--sm 90] [--config EXPR]``: compile
+every kernel the gated head's launchers launch, at the launch shapes they pick, for a GPU that is not there.
+
+No GPU needed (and none used): the launchers run on meta tensors with Triton's ``JITFunction.run`` replaced by a
+recorder; each recorded launch is bound exactly as Triton binds it (types, constexprs, alignment attributes,
+num_warps / num_stages / maxnreg) and compiled for ``GPUTarget("cuda", SM, 32)``. The multiprocessor count the
+launchers size their grids by is the H200's (132; ``--sms``). Per kernel it prints the shared memory the
+compiled kernel asks for (``metadata.shared``, checked against the limit of the target: 232448 bytes on sm_90,
+166912 on sm_80) and, from the bundled ptxas (``-v`` on the kernel's PTX), registers per thread, spill bytes
+and the programs per SM that registers / shared memory allow.
+
+``--config`` is a Python expression for the launchers' ``GatedHeadConfig`` (e.g.
+``"GatedHeadConfig(dfn='separate')"``); ``--all-candidates`` checks the default and every candidate.
+Exit status 1 when a kernel does not fit. Run with TRITON_INTERPRET unset: under the interpreter ``triton.jit``
+gives no compilable kernels (tests/test_mhc_gated_head.py runs this in a subprocess without it).
+"""
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import List, Optional
+
+SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
+REGS_PER_SM = 65536
+MAX_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048, 100: 2048}
+
+
+@dataclass
+class Built:
+    kernel: str
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    shared: int
+    regs: Optional[int]
+    spill: Optional[int]
+    grid: tuple
+
+    def per_sm(self, sm: int) -> int:
+        threads = 32 * self.num_warps
+        by_threads = MAX_THREADS_PER_SM.get(sm, 2048) // threads
+        by_regs = REGS_PER_SM // (max(self.regs, 1) * threads) if self.regs else by_threads
+        limit = SMEM_LIMIT.get(sm, 232448)
+        by_smem = (limit + 1024) // (self.shared + 1024) if self.shared else by_threads  # 1 KiB reserved per CTA
+        return min(by_threads, by_regs, by_smem)
+
+
+def _ptxas_usage(ptx: str, sm: int):
+    """(registers, spill stores + loads in bytes) from ptxas -v on the PTX, or (None, None)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return None, None
+    arch = f"sm_{sm}a" if sm >= 90 else f"sm_{sm}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (int(regs.group(1)) if regs else None,
+            int(spill.group(1)) + int(spill.group(2)) if spill else None)
+
+
+@contextlib.contextmanager
+def _as_gpu(sms: int):
+    """Launchers on meta tensors size their grids for a GPU of ``sms`` multiprocessors and pick its configs."""
+    import torch
+    from .._triton import launch, mhc_prepare
+
+    def persistent_programs(device, work_items, per_sm=2):
+        return max(1, min(work_items, sms * per_sm))
+
+    patched, original = [], launch.persistent_programs
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("cakeops._triton") and getattr(mod, "persistent_programs", None) is original:
+            patched.append((mod, "persistent_programs", mod.persistent_programs))
+            mod.persistent_programs = persistent_programs
+    resolve = mhc_prepare.PrepareConfig.resolve
+    mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(X.shape[0], X.shape[2], torch.device("meta"),
+                                                                          True)
+    try:
+        yield
+    finally:
+        mhc_prepare.PrepareConfig.resolve = resolve
+        for mod, attr, value in patched:
+            setattr(mod, attr, value)
+
+
+def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[Built]:
+    """Runs ``call`` (launchers on meta tensors) recording every Triton launch instead of running it, then
+    compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", sm, 32)
+    backend = make_backend(target)
+    launches = []
+    run = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, dict(kwargs), grid))
+
+    JITFunction.run = record
+    try:
+        with _as_gpu(sms):
+            call()
+    finally:
+        JITFunction.run = run
+    built, seen = [], set()
+    for fn, args, kwargs, grid in launches:
+        if kernels and fn.__name__ not in kernels:
+            continue
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, _ = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+        named = {fn.arg_names[k[0]]: v for k, v in constexprs.items() if len(k) == 1}
+        key = (fn.__name__, repr(sorted(named.items())), options.num_warps, options.num_stages, options.maxnreg,
+               repr(signature))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+        regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
+        built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
+                           regs, spill, tuple(grid) if not callable(grid) else ()))
+    return built
+
+
+def gated_head_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
+    """A callable that runs the gated head's forward and backward launchers on meta tensors."""
+    import torch
+    from .._triton import mhc_gated_head as K
+    from ..meta.mhc_head_layout import HEAD_STATS_WIDTH
+
+    def call():
+        m = torch.device("meta")
+        X = torch.empty(T, n, C, dtype=dtype, device=m)
+        fn = torch.empty(n, n * C, device=m)
+        scale, base = torch.empty(1, device=m), torch.empty(n, device=m)
+        stats = torch.empty(T, HEAD_STATS_WIDTH, device=m)
+        K.forward(X, fn, scale, base, 1e-5, 1e-6, stats, torch.empty(T, C, dtype=dtype, device=m), config=config)
+        K.backward(torch.empty(T, C, dtype=dtype, device=m), X, fn, scale, base, stats, torch.empty_like(X),
+                   torch.empty_like(fn), torch.empty(1, device=m), torch.empty(n, device=m),
+                   deterministic=deterministic, config=config)
+    return call
+
+
+def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
+          deterministic: bool = True, out=print, kernels=None) -> bool:
+    """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
+    True when all fit the target's shared memory."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    limit = SMEM_LIMIT.get(sm, 232448)
+    ok = True
+    for cfg in configs:
+        if cfg is not None:
+            out(f"config: {cfg}")
+        for T, n, C in shapes:
+            for b in compile_launches(gated_head_launches(T, n, C, dtype, cfg, deterministic), sm, sms, kernels):
+                fits = b.shared <= limit
+                ok &= fits
+                shape = " ".join(f"{k}={v}" for k, v in b.constexprs.items()
+                                 if k.startswith(("BLOCK", "N", "DFN", "FUSED", "PRESPLIT", "X_PER")))
+                out(f"T={T:<6d} n={n} C={C:<5d} {b.kernel:22s} warps={b.num_warps} stages={b.num_stages} "
+                    f"smem={b.shared:7d} {'ok ' if fits else 'TOO BIG'} regs={b.regs} spill={b.spill} "
+                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}")
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cakeops.bench.build_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", default="2,4,8")
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--C", type=int, default=4096)
+    p.add_argument("--test-sizes", action="store_true",
+                   help="also tests/test_mhc_gated_head.py::test_real_size_on_gpu's sizes (T=4096, C=8192/n)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sm", type=int, default=90)
+    p.add_argument("--sms", type=int, default=132, help="multiprocessors the grids are sized for (H200: 132)")
+    p.add_argument("--config", default=None, help="a GatedHeadConfig(...) expression")
+    p.add_argument("--all-candidates", action="store_true", help="the default and every GatedHeadConfig candidate")
+    p.add_argument("--atomic", action="store_true", help="the non-deterministic backward")
+    p.add_argument("--kernels", default="", help="only these kernels (comma-separated names)")
+    args = p.parse_args(argv)
+    from .._triton.mhc_gated_head import GatedHeadConfig
+    from .._triton.mhc_prepare import PrepareConfig  # noqa: F401  (for --config expressions)
+
+    ns = [int(v) for v in args.n.split(",")]
+    shapes = [(args.T, n, args.C) for n in ns]
+    if args.test_sizes:
+        shapes += [(4096, n, 4096 // n * 2) for n in ns]
+    configs = [None]
+    if args.config:
+        configs = [eval(args.config, {"GatedHeadConfig": GatedHeadConfig, "PrepareConfig": PrepareConfig})]
+    if args.all_candidates:
+        configs = [None] + list(GatedHeadConfig.candidates())
+    kernels = {k.strip() for k in args.kernels.split(",") if k.strip()} or None
+    ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels)
+    print("all kernels fit" if ok else "SOME KERNELS DO NOT FIT the shared memory of sm_%d" % args.sm)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
