@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import FastKernel
 from .launch import cdiv, persistent_programs, tile_config
 from .partials import sum_partials
 
@@ -167,6 +168,11 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
     return g, x, w, m
 
 
+# Launched through the per-specialization cache (fast_launch.py): all arguments positional, in signature order.
+_fwd_launch = FastKernel(_rmsnorm_fwd_kernel)
+_bwd_launch = FastKernel(_rmsnorm_bwd_kernel)
+
+
 @dataclass(frozen=True)
 class RMSNormConfig:
     """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
@@ -207,10 +213,10 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     rows, block, chunks, warps = (config or RMSNormConfig()).forward_tile(H, x.element_size(), has_res)
     r = residual if has_res else x
     h = h_out if has_res else y
-    _rmsnorm_fwd_kernel[(cdiv(T, rows),)](
+    _fwd_launch((cdiv(T, rows),), (
         x, r, w, y, h, rstd, T, H, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
-        HAS_RESIDUAL=has_res, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-    )
+        has_res, rows, block, chunks,  # HAS_RESIDUAL, ROWS, BLOCK, NUM_CHUNKS
+    ), warps)
 
 
 def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int, config: Optional[RMSNormConfig] = None):
@@ -247,10 +253,10 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
             target.zero_()
     has_gres = g_residual is not None
     gres = g_residual if has_gres else g
-    _rmsnorm_bwd_kernel[(programs,)](
+    _bwd_launch((programs,), (
         g, x, w, rstd, gres, dx, target, T, H,
         g.stride(0), x.stride(0), gres.stride(0), dx.stride(0), H,
-        HAS_GRES=has_gres, ATOMIC_DW=atomic, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-    )
+        has_gres, atomic, rows, block, chunks,  # HAS_GRES, ATOMIC_DW, ROWS, BLOCK, NUM_CHUNKS
+    ), warps)
     if not atomic:
         sum_partials(target, dw, accumulate_dw)
