@@ -4,6 +4,7 @@ Rows are tiled [ROWS, BLOCK]: a row of up to BLOCK elements is read from HBM onc
 wider rows (NUM_CHUNKS > 1) are walked twice, the second pass served mostly by L2.
 All statistics and accumulations are FP32; each output is rounded once.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -202,6 +203,12 @@ class RMSNormConfig:
             yield RMSNormConfig(tile_elems=tile, thread_bytes=thread)
 
 
+@functools.lru_cache(maxsize=None)
+def _default_forward_tile(H: int, elem_bytes: int, has_residual: bool):
+    # The tile depends on (H, dtype, residual) only: worked out once per layer shape, not per call.
+    return RMSNormConfig().forward_tile(H, elem_bytes, has_residual)
+
+
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
             residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None, *,
             config: Optional[RMSNormConfig] = None) -> None:
@@ -210,7 +217,10 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     if T == 0:
         return
     has_res = residual is not None
-    rows, block, chunks, warps = (config or RMSNormConfig()).forward_tile(H, x.element_size(), has_res)
+    if config is None:
+        rows, block, chunks, warps = _default_forward_tile(H, x.element_size(), has_res)
+    else:
+        rows, block, chunks, warps = config.forward_tile(H, x.element_size(), has_res)
     r = residual if has_res else x
     h = h_out if has_res else y
     _fwd_launch((cdiv(T, rows),), (
@@ -219,8 +229,18 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     ), warps)
 
 
+@functools.lru_cache(maxsize=None)
+def _default_backward_tile(H: int, elem_bytes: int):
+    return tile_config(H, elem_bytes, tile_elems=4096, thread_bytes=32)
+
+
 def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int, config: Optional[RMSNormConfig] = None):
-    return (config or RMSNormConfig()).backward_shape(device, T, H, elem_bytes)
+    if config is not None:
+        return config.backward_shape(device, T, H, elem_bytes)
+    # RMSNormConfig().backward_shape, with the T-independent tile cached
+    rows, block, chunks, warps = _default_backward_tile(H, elem_bytes)
+    programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, RMSNormConfig.warps_per_sm // warps))
+    return rows, block, chunks, warps, programs
 
 
 def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) -> int:
@@ -232,7 +252,9 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
              dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
              workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False, *,
              config: Optional[RMSNormConfig] = None) -> None:
-    """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it)."""
+    """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it). A dw of another
+    float dtype (not with accumulate_dw) receives the FP32 sum rounded once, by the fixed-order reduction itself
+    (the same bits as ``dw_fp32.to(dtype)``, without a separate cast launch); the atomic path needs FP32."""
     T, H = x.shape
     if T == 0:
         if not accumulate_dw:
@@ -240,6 +262,8 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
         return
     rows, block, chunks, warps, programs = _backward_shape(x.device, T, H, x.element_size(), config)
     atomic = not deterministic and chunks == 1
+    if dw.dtype != torch.float32 and (atomic or accumulate_dw):
+        raise ValueError("backward: dw must be FP32 with atomics or accumulate_dw")
     if atomic:
         if not accumulate_dw:
             dw.zero_()
@@ -247,8 +271,9 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
     else:
         need = programs * H
         if workspace is None or workspace.numel() < need:
-            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
-        target = workspace[:need].view(programs, H)
+            target = torch.empty((programs, H), device=x.device, dtype=torch.float32)
+        else:
+            target = workspace[:need].view(programs, H)
         if chunks > 1:
             target.zero_()
     has_gres = g_residual is not None
