@@ -19,7 +19,7 @@ The torch peers run their real CPU math in the CPU modes (small default shape, s
 import contextlib
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +46,10 @@ def no_kernels():
 
 
 @contextlib.contextmanager
-def fake_driver():
+def fake_driver(launcher: Optional[Callable[..., None]] = None):
     """Triton's launch path without a GPU: a stand-in CUDA driver (device 0, stream 0, an sm_90 target) and a
-    "compile" that returns a CompiledKernel whose launcher does nothing. Needs triton's JIT (no interpreter)."""
+    "compile" that returns a CompiledKernel whose launcher does nothing (or calls ``launcher(name, *args)``: the
+    tests compare what Triton's path and the fast route hand the launcher). Needs triton's JIT (no interpreter)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import CompiledKernel
     from triton.runtime import driver
@@ -75,7 +76,9 @@ def fake_driver():
     def compile_stub(self, key, signature, device, constexprs, options, attrs, warmup):
         kernel = object.__new__(CompiledKernel)  # the real class: launch_metadata / run cost what they cost
         kernel.name, kernel.src, kernel.function, kernel.packed_metadata = self.fn.__name__, None, 0, None
-        kernel.module, kernel._run = object(), lambda *args: None
+        name = kernel.name
+        kernel.module = object()
+        kernel._run = (lambda *args: None) if launcher is None else (lambda *args: launcher(name, *args))
         self.device_caches[device][0][key] = kernel
         return kernel
 
