@@ -48,3 +48,11 @@ def kernel_device(t: torch.Tensor):
     if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def device_switch(t: torch.Tensor):
+    """``kernel_device(t)``, or None where no switch is needed: a hot path then skips the ``with`` altogether
+    (entering a null context costs as much as the check)."""
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return None

@@ -9,6 +9,8 @@ Decisions where FlashInfer leaves room: ``rstd`` has the leading shape of x (``x
 the backward accepts it in that shape or flattened. Row-strided 2-D inputs are read in place; other layouts are
 copied once. ``dw``/``out`` buffers given by the caller are overwritten, never accumulated into.
 """
+import math
+import sys
 from typing import Optional, Tuple, Union
 
 import torch
@@ -18,6 +20,8 @@ from . import _checks
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
+
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
@@ -151,14 +155,36 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     return (dx if dx is not None else ddx.view(x.shape)), ddw
 
 
+def _eager_args_ok(x, w, eps, residual) -> bool:
+    """Whether (x, w, eps, residual) pass every check that ``cake_rmsnorm_train_forward`` makes of them, in one
+    expression: the common case costs a few attribute reads. Anything else goes through those checks, which
+    raise the errors users see."""
+    return (isinstance(x, Tensor) and isinstance(w, Tensor) and type(eps) is float and 0.0 < eps < math.inf
+            and x.dtype in _checks.FLOAT_DTYPES and w.dtype in _checks.FLOAT_DTYPES and w.dim() == 1
+            and x.dim() >= 1 and x.shape[-1] == w.shape[0] and w.shape[0] != 0 and x.device == w.device
+            and (residual is None or (isinstance(residual, Tensor) and residual.dtype == x.dtype
+                                      and residual.shape == x.shape and residual.device == x.device)))
+
+
 class CakeRMSNormFunction(torch.autograd.Function):
     """Eager autograd: calls the launchers directly (no dispatcher per call). Saves only (x or h_new, w, rstd).
-    Its backward is the registered autograd's formula (``_ops.rmsnorm.backward_formula``)."""
+    Its backward is the registered autograd's formula (``_ops.rmsnorm.backward_formula``). Host time matters
+    here (a model calls it twice per layer): the checks are one expression in the common case, the kernels'
+    entry is called without the public function's buffer handling, and no view is made that is not needed."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
                 deterministic: bool = True):
-        outs = cake_rmsnorm_train_forward(x, w, eps, residual=residual)
+        if not _eager_args_ok(x, w, eps, residual):  # the public function's checks and errors
+            _check_x_w(x, w)
+            eps = _checks.positive_float("eps", eps)
+            if residual is not None:
+                _check_like("residual", residual, x)
+        if x.dim() == 2:
+            outs = ops.forward_impl(x, w, eps, residual)
+        else:
+            outs = ops.forward_impl(_rows(x), w, eps, None if residual is None else _rows(residual))
+            outs = (outs[0].view(x.shape), outs[1].view(x.shape[:-1])) + tuple(o.view(x.shape) for o in outs[2:])
         ctx.deterministic = deterministic
         ctx.has_residual = residual is not None
         ctx.save_for_backward(outs[2] if ctx.has_residual else x, w, outs[1])
@@ -170,8 +196,8 @@ class CakeRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y, grad_h=None):
         h, w, rstd = ctx.saved_tensors
-        # The inputs were checked by the forward: straight to the kernels.
-        dx, dw, dres = ops.backward_formula(ops.backward_impl, h, w, rstd, grad_y, grad_h, ctx.has_residual,
+        # The inputs were checked by the forward: straight to the kernels, dw in w's dtype from the reduction.
+        dx, dw, dres = ops.backward_formula(ops.eager_backward, h, w, rstd, grad_y, grad_h, ctx.has_residual,
                                             ctx.deterministic)
         return dx, dw, None, dres, None
 
@@ -192,8 +218,11 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     >>> y.shape, bool(torch.equal(h, x))
     (torch.Size([2, 8, 64]), True)
     """
-    if not (torch.compiler.is_compiling() or any_dtensor(x=x, w=w, residual=residual)):
-        _check_flags(deterministic)
+    # DTensors exist only once torch.distributed.tensor is imported: skip the per-argument check before that.
+    if not (torch.compiler.is_compiling() or (_DTENSOR_MODULE in sys.modules
+                                              and any_dtensor(x=x, w=w, residual=residual))):
+        if type(deterministic) is not bool:
+            _check_flags(deterministic)
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)

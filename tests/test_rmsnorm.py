@@ -369,3 +369,20 @@ def test_nn_rmsnorm_matches_torch_with_torch_defaults(backend, affine, shape_arg
 def test_nn_rmsnorm_checks_its_arguments_at_construction(args, exc, match):
     with pytest.raises(exc, match=match):
         cakeops.nn.RMSNorm(*args)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_autograd_dw_is_the_fp32_sum_rounded_once(backend, w_dtype):
+    # The eager backward has the fixed-order reduction write dw in w's dtype (no separate cast launch): the bits
+    # must be those of the function API's FP32 dw cast by torch. The interpreter truncates where a GPU rounds to
+    # nearest even, so on CPU this holds bitwise for the reference math only.
+    x = torch.randn(37, 300, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.5 * torch.randn(300, device=DEVICE)).to(w_dtype).requires_grad_()
+    gy = torch.randn_like(x)
+    cake_rmsnorm(x, w, 1e-6).backward(gy)
+    _, rstd = cake_rmsnorm_train_forward(x.detach(), w.detach(), 1e-6)
+    _, dw32 = cake_rmsnorm_train_backward(gy, x.detach(), w.detach(), rstd)
+    if backend == "triton" and not ON_GPU and w_dtype != torch.float32:
+        assert rel_err(w.grad, dw32) <= 2.0 ** -7
+    else:
+        assert torch.equal(w.grad, dw32.to(w_dtype))

@@ -19,6 +19,20 @@ from .determinism import alert_not_deterministic
 from .strides import unit_last
 
 
+_kernels = None
+
+
+def _triton_kernels():
+    """The Triton launchers' module, imported on first use (importing cakeops never imports triton); kept in a
+    global because an ``import`` statement costs a module-table walk on every call."""
+    global _kernels
+    if _kernels is None:
+        from .._triton import rmsnorm
+
+        _kernels = rmsnorm
+    return _kernels
+
+
 def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
                  y: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
                  h_out: Optional[Tensor] = None):
@@ -30,9 +44,12 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
     if residual is not None and h_out is None:
         h_out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if _backend.use_triton(x):
-        from .._triton import rmsnorm as kernels
-        with _backend.kernel_device(x):
-            kernels.forward(x, w, eps, y, rstd, residual, h_out)
+        switch = _backend.device_switch(x)
+        if switch is None:
+            _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
+        else:
+            with switch:
+                _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
     else:
         outs = reference.forward(x, w, eps, residual)
         y.copy_(outs[0])
@@ -44,23 +61,36 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
 
 def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor] = None,
                   deterministic: bool = True, workspace: Optional[Tensor] = None,
-                  dx: Optional[Tensor] = None, dw: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                  dx: Optional[Tensor] = None, dw: Optional[Tensor] = None,
+                  dw_dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
+    """``dw_dtype``: the dtype of a dw allocated here. The FP32 sum is rounded once into it by the deterministic
+    reduction (the bits of ``dw.to(dw_dtype)``, one launch fewer); ``deterministic=False`` keeps FP32 (atomics)."""
     if not deterministic:
         alert_not_deterministic("cakeops rmsnorm backward with deterministic=False")
     g, x, w = unit_last(g), unit_last(x), unit_last(w)
     g_residual = None if g_residual is None else unit_last(g_residual)
     T, H = x.shape
     dx = torch.empty((T, H), dtype=x.dtype, device=x.device) if dx is None else dx
-    dw = torch.empty((H,), dtype=torch.float32, device=x.device) if dw is None else dw
+    if dw is None:
+        dw = torch.empty((H,), dtype=dw_dtype if deterministic else torch.float32, device=x.device)
     if _backend.use_triton(x):
-        from .._triton import rmsnorm as kernels
-        with _backend.kernel_device(x):
-            kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+        switch = _backend.device_switch(x)
+        if switch is None:
+            _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+        else:
+            with switch:
+                _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
     else:
         ref_dx, ref_dw = reference.backward(g, x, w, rstd, g_residual)
         dx.copy_(ref_dx)
         dw.copy_(ref_dw)
     return dx, dw
+
+
+def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
+                   deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype straight from the kernels."""
+    return backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
 
 
 @torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
@@ -97,7 +127,7 @@ def backward_formula(bwd, h: Tensor, w: Tensor, rstd: Tensor, grad_y: Optional[T
                      has_residual: bool, deterministic: bool):
     """(dx, dw, dresidual) from the saved (x or h_new, w, rstd) and the incoming gradients of y and h_new.
 
-    ``bwd`` is the backward entry: ``backward_impl`` (eager, the kernels directly) or the ``rmsnorm_bwd`` op
+    ``bwd`` is the backward entry: ``eager_backward`` (eager, the kernels directly) or the ``rmsnorm_bwd`` op
     (compiled, so the AOT backward graph holds it); both take (g, x, w, rstd, g_residual, deterministic).
     Gradients are not materialized: a missing grad_h adds nothing (no zero tensor read), a missing grad_y
     means y was unused, and then h_new's gradient passes straight to x and residual with no kernel at all.
@@ -107,7 +137,7 @@ def backward_formula(bwd, h: Tensor, w: Tensor, rstd: Tensor, grad_y: Optional[T
     dx, dw = bwd(rows(grad_y), rows(h), w, rstd if rstd.dim() == 1 else rstd.reshape(-1),
                  None if grad_h is None else rows(grad_h), deterministic)
     dx = dx if h.dim() == 2 else dx.view(h.shape)
-    return dx, dw.to(w.dtype), (dx if has_residual else None)
+    return dx, (dw if dw.dtype == w.dtype else dw.to(w.dtype)), (dx if has_residual else None)
 
 
 def rows(t: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import FastKernel
 from .launch import cdiv, next_power_of_2
 
 
@@ -19,15 +20,18 @@ def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BL
         acc += tl.sum(tl.load(PART + p[:, None] * stride_p + cols[None, :], mask=mask, other=0.0), axis=0)
     if ACCUMULATE:
         acc += tl.load(OUT + cols, mask=cols < H, other=0.0)
-    tl.store(OUT + cols, acc, mask=cols < H)
+    # An OUT narrower than FP32 gets the sum rounded once, to nearest even, as torch's .to() rounds.
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cols < H)
+
+
+_launch = FastKernel(_sum_partials_kernel)  # all arguments positional: ACCUMULATE, BLOCK_P, BLOCK last
 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,
                  block_p: int = 32) -> None:
-    """out [H] (+)= partials [P, H] (unit column stride) summed over P in a fixed order. Narrow column blocks
+    """out [H] (+)= partials [P, H] (unit column stride) summed over P in a fixed order (in FP32; an out of another
+    float dtype receives the sum rounded once, and only without accumulate). Narrow column blocks
     (max_block) make many programs, each a short walk; block_p rows are loaded per step."""
     P, H = partials.shape
     block = min(max_block, next_power_of_2(H))
-    _sum_partials_kernel[(cdiv(H, block),)](
-        partials, out, P, H, partials.stride(0), ACCUMULATE=accumulate, BLOCK_P=block_p, BLOCK=block, num_warps=4,
-    )
+    _launch((cdiv(H, block),), (partials, out, P, H, partials.stride(0), accumulate, block_p, block), 4)

@@ -4,6 +4,7 @@ Rows are tiled [ROWS, BLOCK]: a row of up to BLOCK elements is read from HBM onc
 wider rows (NUM_CHUNKS > 1) are walked twice, the second pass served mostly by L2.
 All statistics and accumulations are FP32; each output is rounded once.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import FastKernel
 from .launch import cdiv, persistent_programs, tile_config
 from .partials import sum_partials
 
@@ -167,6 +169,11 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
     return g, x, w, m
 
 
+# Launched through the per-specialization cache (fast_launch.py): all arguments positional, in signature order.
+_fwd_launch = FastKernel(_rmsnorm_fwd_kernel)
+_bwd_launch = FastKernel(_rmsnorm_bwd_kernel)
+
+
 @dataclass(frozen=True)
 class RMSNormConfig:
     """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
@@ -196,6 +203,12 @@ class RMSNormConfig:
             yield RMSNormConfig(tile_elems=tile, thread_bytes=thread)
 
 
+@functools.lru_cache(maxsize=None)
+def _default_forward_tile(H: int, elem_bytes: int, has_residual: bool):
+    # The tile depends on (H, dtype, residual) only: worked out once per layer shape, not per call.
+    return RMSNormConfig().forward_tile(H, elem_bytes, has_residual)
+
+
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
             residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None, *,
             config: Optional[RMSNormConfig] = None) -> None:
@@ -204,17 +217,30 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     if T == 0:
         return
     has_res = residual is not None
-    rows, block, chunks, warps = (config or RMSNormConfig()).forward_tile(H, x.element_size(), has_res)
+    if config is None:
+        rows, block, chunks, warps = _default_forward_tile(H, x.element_size(), has_res)
+    else:
+        rows, block, chunks, warps = config.forward_tile(H, x.element_size(), has_res)
     r = residual if has_res else x
     h = h_out if has_res else y
-    _rmsnorm_fwd_kernel[(cdiv(T, rows),)](
+    _fwd_launch((cdiv(T, rows),), (
         x, r, w, y, h, rstd, T, H, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
-        HAS_RESIDUAL=has_res, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-    )
+        has_res, rows, block, chunks,  # HAS_RESIDUAL, ROWS, BLOCK, NUM_CHUNKS
+    ), warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_backward_tile(H: int, elem_bytes: int):
+    return tile_config(H, elem_bytes, tile_elems=4096, thread_bytes=32)
 
 
 def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int, config: Optional[RMSNormConfig] = None):
-    return (config or RMSNormConfig()).backward_shape(device, T, H, elem_bytes)
+    if config is not None:
+        return config.backward_shape(device, T, H, elem_bytes)
+    # RMSNormConfig().backward_shape, with the T-independent tile cached
+    rows, block, chunks, warps = _default_backward_tile(H, elem_bytes)
+    programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, RMSNormConfig.warps_per_sm // warps))
+    return rows, block, chunks, warps, programs
 
 
 def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) -> int:
@@ -226,7 +252,9 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
              dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
              workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False, *,
              config: Optional[RMSNormConfig] = None) -> None:
-    """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it)."""
+    """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it). A dw of another
+    float dtype (not with accumulate_dw) receives the FP32 sum rounded once, by the fixed-order reduction itself
+    (the same bits as ``dw_fp32.to(dtype)``, without a separate cast launch); the atomic path needs FP32."""
     T, H = x.shape
     if T == 0:
         if not accumulate_dw:
@@ -234,6 +262,8 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
         return
     rows, block, chunks, warps, programs = _backward_shape(x.device, T, H, x.element_size(), config)
     atomic = not deterministic and chunks == 1
+    if dw.dtype != torch.float32 and (atomic or accumulate_dw):
+        raise ValueError("backward: dw must be FP32 with atomics or accumulate_dw")
     if atomic:
         if not accumulate_dw:
             dw.zero_()
@@ -241,16 +271,17 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
     else:
         need = programs * H
         if workspace is None or workspace.numel() < need:
-            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
-        target = workspace[:need].view(programs, H)
+            target = torch.empty((programs, H), device=x.device, dtype=torch.float32)
+        else:
+            target = workspace[:need].view(programs, H)
         if chunks > 1:
             target.zero_()
     has_gres = g_residual is not None
     gres = g_residual if has_gres else g
-    _rmsnorm_bwd_kernel[(programs,)](
+    _bwd_launch((programs,), (
         g, x, w, rstd, gres, dx, target, T, H,
         g.stride(0), x.stride(0), gres.stride(0), dx.stride(0), H,
-        HAS_GRES=has_gres, ATOMIC_DW=atomic, ROWS=rows, BLOCK=block, NUM_CHUNKS=chunks, num_warps=warps,
-    )
+        has_gres, atomic, rows, block, chunks,  # HAS_GRES, ATOMIC_DW, ROWS, BLOCK, NUM_CHUNKS
+    ), warps)
     if not atomic:
         sum_partials(target, dw, accumulate_dw)

@@ -1,5 +1,6 @@
 """``python -m cakeops.bench.host [--T 16384] [--C 4096] [--calls 20] [--reps 5] [--no-kernels]``: the host (CPU)
 cost of one mHC layer forward + backward (identity branch, bf16), eager and under ``torch.compile(fullgraph=True)``.
+``--op rmsnorm``: the public RMSNorm path instead, next to torch's (``bench/host_rmsnorm.py``).
 
 Below some size a layer is host-bound: its kernels finish before the CPU has issued the next ones, and the CPU
 time per call is the step time. On a GPU each rep keeps the device busy (``torch.cuda._sleep``) while ``calls``
@@ -84,9 +85,19 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20, help="layers issued per timed rep")
     p.add_argument("--reps", type=int, default=5, help="timed reps per path (alternating)")
     p.add_argument("--no-kernels", action="store_true", help="launchers as no-ops (the default without a GPU)")
+    p.add_argument("--op", choices=("mhc", "rmsnorm"), default="mhc", help="what to measure (default: an mHC layer)")
+    p.add_argument("--H", type=int, default=None, help="rmsnorm: hidden size (default: the issue's shapes on a GPU)")
+    p.add_argument("--fake-driver", action="store_true",
+                   help="rmsnorm, CPU: run the launchers and triton's launch path against a stand-in driver")
     args = p.parse_args(argv)
     if min(args.calls, args.reps) < 1:
         p.error("--calls and --reps must be >= 1")
+    if args.op == "rmsnorm":
+        from . import host_rmsnorm
+
+        return host_rmsnorm.main(args)
+    if args.fake_driver or args.H is not None:
+        p.error("--fake-driver and --H apply to --op rmsnorm")
     on_gpu = torch.cuda.is_available() and not args.no_kernels
     if on_gpu:
         device, ctx, T, C = torch.device("cuda"), contextlib.nullcontext(), args.T or 16384, args.C or 4096

@@ -1,0 +1,137 @@
+"""Launching a Triton kernel with less host work than ``kernel[grid](...)``.
+
+``JITFunction.run`` does, on every call: read the option knobs, bind the arguments to the signature, specialize
+each one in C (dtype, 16-byte alignment of pointers, ``== 1`` and divisibility by 16 of integers), build a
+cache key out of the specialization list and ``str(options)``, look the compiled kernel up, check the kernel's
+global variables, build the launch metadata and call the compiled kernel's launcher. For a kernel of ~20
+arguments that is tens of microseconds of Python per launch -- more than an RMSNorm kernel takes on an H200 at
+small sizes, and a large share of the public RMSNorm path's host time (three launches per forward + backward).
+
+``FastKernel`` keeps, per kernel, a dict from a key computed here -- at least as fine as Triton's own
+specialization (see ``_arg_key``) -- to the compiled kernel that Triton returned for that key, and launches it
+the way ``JITFunction.run`` does: ``compiled.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *all_arguments)``. That call is the same in triton 3.6, 3.7 and 3.8
+(and is what ``CompiledKernel.__getitem__`` does too). Triton's own path is taken whenever the cached route does
+not apply: the first call of a key (Triton compiles or loads it, and we keep what it returns), the interpreter
+(``TRITON_INTERPRET=1``: no compiled kernel), a triton version outside the checked range, launch hooks
+installed (profilers such as proton see every launch as before), pre-run hooks on the kernel, and
+``CAKEOPS_FAST_LAUNCH=0``.
+
+Callers pass every argument positionally in signature order, constexprs included, as Triton's launcher
+receives them.
+"""
+import os
+from typing import Dict, Sequence, Tuple
+
+import torch
+import triton
+
+from .. import _backend
+
+
+def _triton_version() -> Tuple[int, int]:
+    try:
+        return tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return (0, 0)
+
+
+# The versions whose JITFunction.run / CompiledKernel.run were read for this (3.6 and 3.8 side by side; 3.7 lies
+# between them). Anything else takes kernel[grid] on every call.
+CHECKED_VERSIONS = ((3, 6), (3, 7), (3, 8))
+
+
+def _enabled() -> bool:
+    return (os.environ.get("CAKEOPS_FAST_LAUNCH", "1") != "0" and _triton_version() in CHECKED_VERSIONS
+            and not _backend.interpreting())
+
+
+_ENABLED = _enabled()
+
+try:  # the names JITFunction.run reads; missing ones disable the fast route
+    from triton import knobs as _knobs
+    from triton.compiler.compiler import CompiledKernel as _CompiledKernel
+    from triton.runtime import driver as _driver
+    from triton.runtime.jit import JITFunction as _JITFunction
+except ImportError:  # pragma: no cover - a triton this module was not written for
+    _ENABLED = False
+
+def _arg_key(name: str, arg, constexpr: bool) -> Tuple[str, str]:
+    """(type check, key terms) of one argument, as source text, for the generated key function.
+
+    What Triton's specialization of a runtime argument can depend on, or finer. Tensors: dtype and whether the
+    data pointer is 16-byte aligned (Triton's "D" attribute). Ints: ``== 1`` (specialized to a constant),
+    divisibility by 16 ("D"), and the integer type the value needs (i32 / i64 / u64). Floats and bools: not
+    specialized (fp32 / u1), only their type is checked. Constexprs: their value (and type: ``True == 1``).
+    """
+    if constexpr:
+        return f"type({name}) is T{name}", f"{name},"
+    if isinstance(arg, torch.Tensor):
+        return f"isinstance({name}, Tensor)", f"{name}.dtype, {name}.data_ptr() % 16 == 0,"
+    if type(arg) is int:
+        return (f"type({name}) is int",
+                f"{name} == 1, {name} % 16 == 0, -2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807,")
+    if type(arg) in (float, bool):
+        return f"type({name}) is T{name}", ""
+    raise TypeError(f"unsupported argument type {type(arg).__name__}")
+
+
+def _make_key_fn(constexpr: Sequence[bool], args: Sequence):
+    """A function ``(device, num_warps, *args) -> key``, generated for the argument types of this call: one
+    Python frame and no per-argument calls, since the key is computed on every launch. It returns None when a
+    later call's argument types differ from these (the caller then takes Triton's own path)."""
+    names = [f"a{i}" for i in range(len(args))]
+    checks, terms = zip(*(_arg_key(n, a, c) for n, a, c in zip(names, args, constexpr)))
+    src = (f"def key(device, num_warps, {', '.join(names)}):\n"
+           f"    if not ({' and '.join(checks)}):\n"
+           f"        return None\n"
+           f"    return (device, num_warps, {' '.join(terms)})\n")
+    namespace = {"Tensor": torch.Tensor, **{f"T{n}": type(a) for n, a in zip(names, args)}}
+    exec(src, namespace)  # noqa: S102 - source built above from argument kinds only
+    return namespace["key"]
+
+
+def _no_hook(hook) -> bool:
+    # triton 3.6-3.8 keep a HookChain (never None) whose ``calls`` list is empty unless a profiler added hooks;
+    # with none, the launcher calls nothing, exactly as when given None.
+    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+
+
+class FastKernel:
+    """A Triton ``@jit`` kernel launched through a per-specialization cache (module docstring)."""
+
+    __slots__ = ("kernel", "constexpr", "key_fn", "routes", "usable")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = getattr(kernel, "params", None)
+        self.usable = (_ENABLED and isinstance(kernel, _JITFunction) and params is not None
+                       and not any(getattr(p, "do_not_specialize", False)
+                                   or getattr(p, "do_not_specialize_on_alignment", False) for p in params))
+        self.constexpr = tuple(p.is_constexpr for p in params or ())
+        self.key_fn = None  # generated on the first call, from its argument types
+        self.routes: Dict[tuple, tuple] = {}
+
+    def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+        if self.usable and len(args) == len(self.constexpr) and not self.kernel.pre_run_hooks:
+            runtime = _knobs.runtime
+            if _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook):
+                if self.key_fn is None:
+                    self.key_fn = _make_key_fn(self.constexpr, args)
+                drv = _driver.active
+                device = drv.get_current_device()
+                # Triton's options (num_warps, debug, instrumentation) are part of its key too.
+                key = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode), num_warps, *args)
+                route = None if key is None else self.routes.get(key)
+                if route is not None:
+                    run, function, metadata = route
+                    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                        drv.get_current_stream(device), function, metadata, None, None, None, *args)
+                    return
+                compiled = self.kernel[grid](*args, num_warps=num_warps)
+                # Keep only a finished, loaded kernel (async compilation hands back a future; a kernel whose
+                # handles failed to load raises inside Triton and is never kept).
+                if key is not None and isinstance(compiled, _CompiledKernel) and compiled.function is not None:
+                    self.routes[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                return
+        self.kernel[grid](*args, num_warps=num_warps)
