@@ -110,7 +110,8 @@ def _head_gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps,
 class GatedHeadConfig:
     """Launch shape of the gated head, forward and backward; ``candidates`` is what ``python -m cakeops.bench.tune
     --ops gated_head`` sweeps. Not tuned on a GPU yet (H200, 2026-12-01: forward 0.305 ms, backward 1.336 ms with
-    these defaults at n = 4).
+    the first defaults at n = 4; the tuner's sweep the same day moved the defaults to the separate dfn kernel and
+    the per-chunk dgate reduction: 0.665 ms at n = 4, 0.438 at n = 2, 1.613 at n = 8, docs/perf.md).
 
     Forward: the projection takes forward_prepare's measured launch shape (``projection``, resolved per call by
     PrepareConfig: 128-token blocks, 8 warps, 3 stages, column slices when T has fewer blocks than the GPU has
@@ -122,9 +123,10 @@ class GatedHeadConfig:
     Backward: the dgate pass, then per-token dlogits, then dX through backward_finish's kernel B tile (16-token
     blocks, ``dx_elems // n`` columns) with dfn either accumulated on the same x tile (``dfn="fused"``) or by
     backward_finish's kernel C, a skinny GEMM that reads X once more (``dfn="separate"``: perf.md measured the
-    fused form costing kernel B ~0.3 ms in backward_finish). ``dx_per_sm``: programs per SM the token splits are
-    sized for; None takes 3 at n = 4 (the sm_90 build holds 168 registers: 3 fit) and 2 at n = 2, 8 (253-255
-    registers: a grid sized for 3 ran 1.45 waves)."""
+    fused form costing kernel B ~0.3 ms in backward_finish; here the fused dX kernel took 1150 of 1353 us at n = 4,
+    the separate pair 338 + 131). ``dx_per_sm``: programs per SM the token splits are sized for; None takes 6
+    (the fastest measured with the separate dfn kernel at n = 2, 4 and 8; the fused form's 168-255 registers
+    held it to 2-3)."""
     projection: PrepareConfig = PrepareConfig()
     project_cols: int = 256          # forward projection: n * columns per chunk when projection.block_c is None
     gates_block_t: int = 64          # forward gates and backward dlogits: tokens per program
@@ -135,16 +137,16 @@ class GatedHeadConfig:
     dgate_warps: int = 4
     dgate_slices: Optional[int] = None  # column slices; None: enough programs to fill the GPU
     dgate_x_per_stream: bool = True  # dgate pass: X as n tiles in dY's layout (False: one [n, tokens, cols] tile)
-    dgate_reduce_per_chunk: bool = False  # dgate pass: reduce over columns every chunk (small accumulator)
+    dgate_reduce_per_chunk: bool = True  # dgate pass: reduce over columns every chunk (128 registers, not 255)
     dx_block_t: int = 16             # dX kernel: tokens per block (a tl.dot dimension, >= 16)
     dx_elems: int = 256              # dX kernel: n * columns per program (64 columns at n = 4)
     dx_warps: int = 4
     dx_stages: Optional[int] = 2
-    dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 3 at n = 4, else 2)
+    dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 6, or 3 at n = 4 / 2 with dfn="fused")
     dx_splits: Optional[int] = None
     dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
-    dfn: str = "fused"               # "fused" into the dX kernel, or "separate" (backward_finish's kernel C)
+    dfn: str = "separate"            # backward_finish's kernel C, or "fused" into the dX kernel
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -153,7 +155,9 @@ class GatedHeadConfig:
     dfn_splits: Optional[int] = None
 
     def dx_programs_per_sm(self, n: int) -> int:
-        return self.dx_per_sm if self.dx_per_sm is not None else (3 if n == 4 else 2)
+        if self.dx_per_sm is not None:
+            return self.dx_per_sm
+        return 6 if self.dfn == "separate" else (3 if n == 4 else 2)
 
     @staticmethod
     def candidates():

@@ -161,6 +161,13 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     tl.store(s_row[:, None, None] + _COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
+def _large_shared_memory(device: torch.device) -> bool:
+    """At least ~200 KB of shared memory per block (sm_90: 227 KB; sm_80: 163 KB). Unknown devices: True."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
+
+
 @dataclass(frozen=True)
 class PrepareConfig:
     """Launch shape of forward_prepare / forward_stats. Fields left None are chosen for the call by ``resolve``;
@@ -189,10 +196,10 @@ class PrepareConfig:
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
         T, n, C = X.shape
-        return self.resolve_for(T, C, X.device, X.is_cuda, n=n)
+        return self.resolve_for(T, C, X.device, X.is_cuda, n=n, dtype=X.dtype)
 
     def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None,
-                    n: int = 4) -> "PrepareConfig":
+                    n: int = 4, dtype: torch.dtype = torch.bfloat16) -> "PrepareConfig":
         """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
         # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider, so 16 columns per chunk and
         # 64-token blocks with 3 stages: n = 4's shared memory (224 KB) and 128 registers (sm_90, triton 3.6;
@@ -207,8 +214,12 @@ class PrepareConfig:
             slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
             while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
+            # fp32 / fp16 X: fn's tiles stay FP32 (no bf16 pieces), twice the bytes a stage: 3 stages need
+            # 336 KB (n = 4) / 280 KB (n = 8) of shared memory, sm_90 has 227 KB; 2 fit
+            # and a GPU with less than sm_90's shared memory (A100: 163 KB) takes 2 stages for every dtype
+            deep = dtype == torch.bfloat16 and (block_t >= 128 or wide) and _large_shared_memory(device)
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
-                          num_stages=3 if block_t >= 128 or wide else 2, slices=slices)
+                          num_stages=3 if deep else 2, slices=slices)
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod

@@ -85,8 +85,8 @@ def _as_gpu(sms: int):
             patched.append((mod, "persistent_programs", mod.persistent_programs))
             mod.persistent_programs = persistent_programs
     resolve = mhc_prepare.PrepareConfig.resolve
-    mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(X.shape[0], X.shape[2], torch.device("meta"),
-                                                                          True)
+    mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(
+        X.shape[0], X.shape[2], torch.device("meta"), True, n=X.shape[1], dtype=X.dtype)
     try:
         yield
     finally:
@@ -162,8 +162,31 @@ def gated_head_launches(T: int, n: int, C: int, dtype, config=None, deterministi
     return call
 
 
+def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
+    """A callable that runs an mHC layer's launchers (prepare, finish, backward_prepare, backward_finish) on meta
+    tensors. ``config`` is unused (the layer's launchers take their defaults)."""
+    import torch
+    from .._triton import mhc_backward, mhc_forward
+    from ..meta import mhc_layout
+
+    def call():
+        m = torch.device("meta")
+        M = mhc_layout.n_logits(n)
+        X, B = torch.empty(T, n, C, dtype=dtype, device=m), torch.empty(T, C, dtype=dtype, device=m)
+        fn, scale, base = torch.empty(M, n * C, device=m), torch.empty(3, device=m), torch.empty(M, device=m)
+        stats = torch.empty(T, mhc_layout.stats_width(n), device=m)
+        gs = torch.empty(T, mhc_layout.grad_stats_width(n), device=m)
+        mhc_forward.prepare(X, fn, scale, base, 1e-5, 1e-6, 20, stats, torch.empty_like(B))
+        mhc_forward.finish(X, B, stats, torch.empty_like(X))
+        mhc_backward.backward_prepare(torch.empty_like(X), B, X, stats, torch.empty_like(B), gs)
+        mhc_backward.backward_finish(X, torch.empty_like(X), B, fn, scale, base, stats, gs, 1e-5, 1e-6, 20,
+                                     torch.empty_like(X), torch.empty_like(fn), torch.empty_like(scale),
+                                     torch.empty_like(base), deterministic=deterministic)
+    return call
+
+
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
-          deterministic: bool = True, out=print, kernels=None) -> bool:
+          deterministic: bool = True, out=print, kernels=None, launches=None) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
     True when all fit the target's shared memory."""
     import torch
@@ -175,7 +198,8 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
         if cfg is not None:
             out(f"config: {cfg}")
         for T, n, C in shapes:
-            for b in compile_launches(gated_head_launches(T, n, C, dtype, cfg, deterministic), sm, sms, kernels):
+            call = (launches or gated_head_launches)(T, n, C, dtype, cfg, deterministic)
+            for b in compile_launches(call, sm, sms, kernels):
                 fits = b.shared <= limit
                 ok &= fits
                 shape = " ".join(f"{k}={v}" for k, v in b.constexprs.items()
@@ -188,6 +212,8 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.build_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", choices=("gated_head", "mhc"), default="gated_head",
+                   help="the gated head's kernels (default) or an mHC layer's (prepare ... backward_finish)")
     p.add_argument("--n", default="2,4,8")
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--C", type=int, default=4096)
@@ -214,7 +240,8 @@ def main(argv=None) -> int:
     if args.all_candidates:
         configs = [None] + list(GatedHeadConfig.candidates())
     kernels = {k.strip() for k in args.kernels.split(",") if k.strip()} or None
-    ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels)
+    ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels,
+               launches=mhc_layer_launches if args.op == "mhc" else None)
     print("all kernels fit" if ok else "SOME KERNELS DO NOT FIT the shared memory of sm_%d" % args.sm)
     return 0 if ok else 1
 

@@ -289,13 +289,14 @@ def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 
         rows.append(row)
         print(f"{row['op']:17s} default {ms:.3f} ms {row['gbps']:6.0f} GB/s minimal\n{'':19s}kernels_us: "
               f"{row['kernels_us']}\n{'':19s}registers: {row['registers']}", flush=True)
-    for r in rows:
+    make = _as_code(best["config"]) if best is not default else "keep the current default"
+    for r in rows:  # JSON-ready: the configs as their reprs
         r.pop("outs", None)
         if r.get("config") is not None:
             r["config"] = repr(r["config"])
     print(f"\nSUMMARY gated head bwd n=4 T={T} C={C}: default {default['ms']:.3f} ms, fastest {best['ms']:.3f} ms "
           f"({best['gbps']:.0f} GB/s minimal, copy ceiling {ceiling:.0f}) with {best['variant']}; "
-          f"make default: {_as_code(best['config']) if best is not default else 'keep the current default'} "
+          f"make default: {make} "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
     return rows
 
