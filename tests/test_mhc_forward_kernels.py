@@ -136,9 +136,14 @@ def test_projection_shape_fills_the_multiprocessors(monkeypatch, T, C, want):
     from types import SimpleNamespace
     from cakeops._triton import mhc_prepare
     monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
-    X = SimpleNamespace(is_cuda=True, device=None, shape=(T, 4, C))
+    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)  # an sm_90 GPU
+    X = SimpleNamespace(is_cuda=True, device=None, shape=(T, 4, C), dtype=torch.bfloat16)
     cfg = mhc_prepare.PrepareConfig().resolve(X)
     assert (cfg.block_t, cfg.block_c, cfg.num_warps, cfg.num_stages, cfg.slices) == want
+    # fp32 X (FP32 fn tiles) and GPUs with less shared memory take 2 stages: 3 would not fit (build_check)
+    assert mhc_prepare.PrepareConfig().resolve(SimpleNamespace(**dict(vars(X), dtype=torch.float32))).num_stages == 2
+    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: False)  # an sm_80 GPU
+    assert mhc_prepare.PrepareConfig().resolve(X).num_stages == 2
 
 
 def test_presplit_fn_gives_the_in_kernel_split_bits(triton_kernels, gen):

@@ -163,7 +163,7 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
 
 def _large_shared_memory(device: torch.device) -> bool:
     """At least ~200 KB of shared memory per block (sm_90: 227 KB; sm_80: 163 KB). Unknown devices: True."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return True
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
 
