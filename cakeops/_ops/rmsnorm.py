@@ -89,8 +89,12 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
 
 def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
                    deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype straight from the kernels."""
-    return backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
+    """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype straight from the kernels.
+    Not under Triton's interpreter: its FP32 -> bf16/fp16 cast truncates where the GPU (and torch's ``.to``)
+    rounds to nearest, and the eager and compiled paths must give the same bits there too."""
+    dw_dtype = torch.float32 if _backend.interpreting() else w.dtype
+    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=dw_dtype)
+    return dX, dw.to(w.dtype)
 
 
 @torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
