@@ -1,4 +1,5 @@
-"""What the compile tests share: gradients of a model, a backend that counts compilations, the AOT graphs."""
+"""What the compile tests share: gradients of a model, the fullgraph-equals-eager and dynamic-tokens checks, a
+backend that counts compilations, the AOT graphs."""
 import torch
 import torch._dynamo
 from functorch.compile import make_boxed_func
@@ -13,6 +14,29 @@ def grads_after(model, x, g, dynamic_dim=None):
         torch._dynamo.mark_dynamic(x, dynamic_dim)
     model(x).backward(g)
     return [x.grad] + [p.grad for p in model.parameters()]
+
+
+def assert_fullgraph_equals_eager(model, x, g):
+    """``model`` traces to one graph without breaks, and compiled fullgraph (aot_eager) its gradients equal
+    eager's bit for bit: the same kernels run on both paths."""
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for k, (got, ref) in enumerate(zip(grads_after(compiled, x, g), grads_after(model, x, g))):
+        assert torch.equal(got, ref), f"gradient {k} (0: x, then the parameters) differs from eager"
+
+
+def assert_dynamic_tokens_compile_once(model, inputs):
+    """``model`` compiled fullgraph (a counting aot_eager, after a dynamo reset) with the token dim 0 of x
+    dynamic: over ``inputs``, pairs (x, g) of different token counts, its gradients equal eager's bit for bit
+    and it compiles once."""
+    torch._dynamo.reset()
+    compiles = []
+    compiled = torch.compile(model, fullgraph=True, backend=counting_aot_eager(compiles))
+    for x, g in inputs:
+        for k, (got, ref) in enumerate(zip(grads_after(compiled, x, g, dynamic_dim=0), grads_after(model, x, g))):
+            assert torch.equal(got, ref), f"T={x.shape[0]}: gradient {k} (0: x, then the parameters) differs"
+    assert len(compiles) == 1, f"{len(compiles)} compilations"
 
 
 def counting_aot_eager(compiles: list):

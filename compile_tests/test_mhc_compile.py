@@ -12,7 +12,7 @@ from cakeops.meta import mhc as fake
 from cakeops.meta.mhc_layout import GRAD_STATS_WIDTH
 from cakeops.reference import mhc as reference
 from conftest import DEVICE
-from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
+from graph_tools import aot_graph_codes, assert_dynamic_tokens_compile_once, assert_fullgraph_equals_eager
 
 N, M = 4, 24
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
@@ -82,24 +82,13 @@ def test_fullgraph_layer_no_graph_breaks_and_eager_equal_gradients():
     layer = MHCLayer(16).to(DEVICE)
     X = torch.randn(6, N, 16, device=DEVICE)
     g = torch.randn(6, 16, device=DEVICE)
-    explanation = torch._dynamo.explain(layer)(X)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    for got, ref in zip(grads_after(compiled, X, g), grads_after(layer, X, g)):
-        assert torch.equal(got, ref)  # the same kernels on both paths
+    assert_fullgraph_equals_eager(layer, X, g)
 
 
 def test_dynamic_tokens_do_not_recompile():
-    torch._dynamo.reset()
-    compiles = []
     layer = MHCLayer(8).to(DEVICE)
-    compiled = torch.compile(layer, fullgraph=True, backend=counting_aot_eager(compiles))
-    for T in (5, 11, 19):
-        X = torch.randn(T, N, 8, device=DEVICE)
-        g = torch.randn(T, 8, device=DEVICE)
-        for got, ref in zip(grads_after(compiled, X, g, dynamic_dim=0), grads_after(layer, X, g)):
-            assert torch.equal(got, ref)
-    assert len(compiles) == 1
+    inputs = ((torch.randn(T, N, 8, device=DEVICE), torch.randn(T, 8, device=DEVICE)) for T in (5, 11, 19))
+    assert_dynamic_tokens_compile_once(layer, inputs)
 
 
 def test_aot_graphs_of_a_layer():

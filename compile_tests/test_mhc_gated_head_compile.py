@@ -8,7 +8,7 @@ import cakeops
 from cakeops.cake_mhc_train import cake_mhc_train_gated_head
 from cakeops.reference import mhc_gated_head as reference
 from conftest import DEVICE
-from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
+from graph_tools import aot_graph_codes, assert_dynamic_tokens_compile_once, assert_fullgraph_equals_eager, grads_after
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
                  "test_aot_dispatch_dynamic")
@@ -66,24 +66,13 @@ def test_fullgraph_model_ending_with_the_gated_head_has_eager_gradients():
     model = TinyModel(16).to(DEVICE)
     h = torch.randn(2, 6, 16, device=DEVICE)
     g = torch.randn(2, 6, 16, device=DEVICE)
-    explanation = torch._dynamo.explain(model)(h)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    for got, ref in zip(grads_after(compiled, h, g), grads_after(model, h, g)):
-        assert torch.equal(got, ref)  # the same kernels on both paths
+    assert_fullgraph_equals_eager(model, h, g)
 
 
 def test_gated_head_alone_n2_dynamic_tokens_do_not_recompile():
-    torch._dynamo.reset()
-    compiles = []
     head = cakeops.nn.MHCHead(gated=True, hidden_size=8, n_streams=2).to(DEVICE)
-    compiled = torch.compile(head, fullgraph=True, backend=counting_aot_eager(compiles))
-    for T in (5, 11, 19):
-        X = torch.randn(T, 2, 8, device=DEVICE)
-        g = torch.randn(T, 8, device=DEVICE)
-        for got, ref in zip(grads_after(compiled, X, g, dynamic_dim=0), grads_after(head, X, g)):
-            assert torch.equal(got, ref)
-    assert len(compiles) == 1
+    inputs = ((torch.randn(T, 2, 8, device=DEVICE), torch.randn(T, 8, device=DEVICE)) for T in (5, 11, 19))
+    assert_dynamic_tokens_compile_once(head, inputs)
 
 
 def test_aot_graphs_hold_the_two_ops():

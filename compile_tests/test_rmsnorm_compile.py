@@ -7,7 +7,7 @@ from expecttest import assert_expected_inline
 import cakeops
 from cakeops.cake_rmsnorm_train import cake_rmsnorm
 from conftest import DEVICE
-from graph_tools import aot_graph_codes, counting_aot_eager, grads_after
+from graph_tools import aot_graph_codes, assert_dynamic_tokens_compile_once, assert_fullgraph_equals_eager, grads_after
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_static",
@@ -70,11 +70,7 @@ def test_fullgraph_no_graph_breaks_and_eager_equal_gradients():
     block = _block()
     x = torch.randn(2, 5, 32, device=DEVICE)
     g = torch.randn(2, 5, 32, device=DEVICE)
-    explanation = torch._dynamo.explain(block)(x)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    for got, ref in zip(grads_after(compiled, x, g), grads_after(block, x, g)):
-        assert torch.equal(got, ref)  # same kernels on both paths: the same bits
+    assert_fullgraph_equals_eager(block, x, g)
 
 
 def test_inductor_fullgraph_matches_eager():
@@ -88,16 +84,9 @@ def test_inductor_fullgraph_matches_eager():
 
 
 def test_dynamic_tokens_do_not_recompile():
-    torch._dynamo.reset()
-    compiles = []
     block = _block()
-    compiled = torch.compile(block, fullgraph=True, backend=counting_aot_eager(compiles))
-    for T in (7, 13, 29, 64):
-        x = torch.randn(T, 32, device=DEVICE)
-        g = torch.randn(T, 32, device=DEVICE)
-        for got, ref in zip(grads_after(compiled, x, g, dynamic_dim=0), grads_after(block, x, g)):
-            assert torch.equal(got, ref)
-    assert len(compiles) == 1
+    inputs = ((torch.randn(T, 32, device=DEVICE), torch.randn(T, 32, device=DEVICE)) for T in (7, 13, 29, 64))
+    assert_dynamic_tokens_compile_once(block, inputs)
 
 
 def _aot_graphs(fn, *args):

@@ -62,12 +62,17 @@ def rmsnorm_bwd(op: str, g, x, w, rstd, g_residual) -> None:
 
 # ---- mHC ----
 
-def streams(op: str, name: str, X, leading_dims: bool = False) -> None:
-    """[T, n, C], or [..., n, C] where the op takes leading dims (finish, head)."""
+def _streams_tensor(op: str, name: str, X, leading_dims: bool) -> None:
+    """A float tensor [T, n, C], or [..., n, C] with leading_dims; n is the caller's to check."""
     tensor(op, name, X, dtypes=FLOAT_DTYPES)
     if X.dim() != 3 and not (leading_dims and X.dim() > 3):
         raise ValueError(f"{op}: {name}: expected a {'[..., n, C]' if leading_dims else '3-D [T, n, C]'} tensor, "
                          f"got shape {tuple(X.shape)}")
+
+
+def streams(op: str, name: str, X, leading_dims: bool = False) -> None:
+    """[T, n, C], or [..., n, C] where the op takes leading dims (finish, head)."""
+    _streams_tensor(op, name, X, leading_dims)
     if X.shape[-2] not in layout.SUPPORTED_STREAMS:
         raise NotImplementedError(f"{op}: {name}: {layout.unsupported_streams_message(X.shape[-2])} "
                                   f"(X is [T, n, C]), got shape {tuple(X.shape)}")
@@ -144,10 +149,7 @@ def gated_streams(op: str, name: str, X, leading_dims: bool = False) -> None:
     """[T, n, C] ([..., n, C] with leading_dims), n in mhc_head_layout.SUPPORTED_N."""
     from . import mhc_head_layout as head
 
-    tensor(op, name, X, dtypes=FLOAT_DTYPES)
-    if X.dim() != 3 and not (leading_dims and X.dim() > 3):
-        raise ValueError(f"{op}: {name}: expected a {'[..., n, C]' if leading_dims else '3-D [T, n, C]'} tensor, "
-                         f"got shape {tuple(X.shape)}")
+    _streams_tensor(op, name, X, leading_dims)
     if X.shape[-2] not in head.SUPPORTED_N:
         raise ValueError(f"{op}: {name}: expected n in {head.SUPPORTED_N} streams, got shape {tuple(X.shape)}")
 

@@ -62,6 +62,25 @@ def fp32_params(*params: Tensor):
     return tuple(unit_last(p if p.dtype == torch.float32 else p.float()) for p in params)
 
 
+def param_grad_buffers(params, grads, accumulate: bool):
+    """(grads, accumulate) for a backward writing parameter gradients: ``grads`` as given; when any is missing, a
+    new buffer like its parameter for each missing one and ``accumulate`` off (nothing given to add into)."""
+    if any(grad is None for grad in grads):
+        return tuple(torch.empty_like(p) if grad is None else grad for p, grad in zip(params, grads)), False
+    return grads, accumulate
+
+
+def store_reference_grads(outs, dX: Tensor, grads, accumulate: bool) -> None:
+    """The reference backward's (dX, *parameter gradients) into dX and ``grads``: the parameter gradients copied,
+    or added into ``grads`` with ``accumulate``."""
+    dX.copy_(outs[0])
+    for buf, value in zip(grads, outs[1:]):
+        if accumulate:
+            buf.add_(value)
+        else:
+            buf.copy_(value)
+
+
 def flat(t: Tensor, dims: int) -> Tensor:
     """[..., *last] -> [T, *last] with ``dims`` dims in all: leading dims are tokens (a view when possible)."""
     return t if t.dim() == dims else t.reshape(-1, *t.shape[t.dim() - dims + 1:])
@@ -139,11 +158,7 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
         alert_not_deterministic("cakeops mHC backward_finish with deterministic=False")
     dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
     fn, scale, base = fp32_params(fn, scale, base)  # gradients FP32 too (autograd casts them back)
-    if dfn is None or dscale is None or dbase is None:
-        accumulate = False  # nothing given to add into
-        dfn = torch.empty_like(fn) if dfn is None else dfn
-        dscale = torch.empty_like(scale) if dscale is None else dscale
-        dbase = torch.empty_like(base) if dbase is None else dbase
+    (dfn, dscale, dbase), accumulate = param_grad_buffers((fn, scale, base), (dfn, dscale, dbase), accumulate)
     X, dY, dU, stats, grad_stats = (unit_last(t) for t in (X, dY, dU, stats, grad_stats))
     if _backend.use_triton(X):
         from .._triton import mhc_backward as kernels
@@ -153,12 +168,7 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
                                     workspace=workspace)
     else:
         outs = reference.backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, iters)
-        dX.copy_(outs[0])
-        for buf, value in zip((dfn, dscale, dbase), outs[1:]):
-            if accumulate:
-                buf.add_(value)
-            else:
-                buf.copy_(value)
+        store_reference_grads(outs, dX, (dfn, dscale, dbase), accumulate)
     return dX, dfn, dscale, dbase
 
 

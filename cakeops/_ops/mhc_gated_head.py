@@ -14,7 +14,7 @@ from .. import _backend
 from ..reference import mhc_gated_head as reference
 from . import inductor
 from .determinism import alert_not_deterministic
-from .mhc import flat, fp32_params
+from .mhc import flat, fp32_params, param_grad_buffers, store_reference_grads
 from .strides import unit_last
 
 
@@ -49,11 +49,7 @@ def backward_impl(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor
         alert_not_deterministic("cakeops gated head backward with deterministic=False")
     dX = torch.empty(X.shape, dtype=X.dtype, device=X.device) if dX is None else dX
     fn, scale, base = fp32_params(fn, scale, base)  # gradients FP32 too (autograd casts them back)
-    if dfn is None or dscale is None or dbase is None:
-        accumulate = False  # nothing given to add into
-        dfn = torch.empty_like(fn) if dfn is None else dfn
-        dscale = torch.empty_like(scale) if dscale is None else dscale
-        dbase = torch.empty_like(base) if dbase is None else dbase
+    (dfn, dscale, dbase), accumulate = param_grad_buffers((fn, scale, base), (dfn, dscale, dbase), accumulate)
     dY, X, stats = unit_last(dY), unit_last(X), stats.contiguous()
     if _backend.use_triton(X):
         from .._triton import mhc_gated_head as kernels
@@ -62,12 +58,7 @@ def backward_impl(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor
                              accumulate=accumulate)
     else:
         outs = reference.backward(dY, X, fn, scale, base, stats, hc_eps)
-        dX.copy_(outs[0])
-        for buf, value in zip((dfn, dscale, dbase), outs[1:]):
-            if accumulate:
-                buf.add_(value)
-            else:
-                buf.copy_(value)
+        store_reference_grads(outs, dX, (dfn, dscale, dbase), accumulate)
     return dX, dfn, dscale, dbase
 
 

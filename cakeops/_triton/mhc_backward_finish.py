@@ -246,6 +246,13 @@ def _register_cap(maxnreg: Optional[int]) -> dict:
     return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
 
 
+def _zero_unless_accumulate(grads, accumulate: bool) -> None:
+    """Zeroes the parameter gradients ``grads`` unless ``accumulate`` (then what they hold is added to)."""
+    if not accumulate:
+        for g in grads:
+            g.zero_()
+
+
 def _precision(dtype: torch.dtype) -> str:
     # fp32 data: three-pass TF32 (near-fp32 products; a single TF32 pass moved dscale by 3.5e-3 on H200,
     # over design.md §3's 2e-3). 16-bit data is exact in TF32 and its tolerance is 1e-2.
@@ -267,10 +274,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     """
     del rms_eps
     T, n, C = X.shape
-    if T == 0:
-        if not accumulate:
-            for g in (dfn, dscale, dbase):
-                g.zero_()
+    if T == 0:  # no launch: the gradients of no tokens
+        _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
         return
     M, m_pad = 2 * n + n * n, logits_pad(n)
     assert n in layout.SUPPORTED_STREAMS and dY.shape == X.shape and dX.shape == X.shape and dU.shape == (T, C)
@@ -292,9 +297,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         workspace = torch.empty(need, dtype=torch.float32, device=X.device)
     dz, part, scratch, dfn_part, dpre = torch.split(workspace[:need], plan.sizes)
     atomic = not deterministic
-    if atomic and not accumulate:
-        for g in (dfn, dscale, dbase):
-            g.zero_()
+    if atomic:  # the kernels add into the gradients
+        _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
     precision = cfg.input_precision or _precision(X.dtype)
     dpre_slices = cdiv(C, plan.dpre_cols)
     _dpre_kernel[(cdiv(T, cfg.dpre_block_t), dpre_slices)](

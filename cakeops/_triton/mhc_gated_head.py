@@ -43,7 +43,7 @@ from ..meta import mhc_layout
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
-from .mhc_backward_finish import _precision, _register_cap, _split, _stages
+from .mhc_backward_finish import _precision, _register_cap, _split, _stages, _zero_unless_accumulate
 from .mhc_math import sigmoid
 from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
 from .mhc_streams import StreamConfig, collapse
@@ -406,10 +406,8 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     """Writes dX [T, n, C] (X.dtype, one rounding) and FP32 dfn [n, n*C], dscale [1], dbase [n], or adds into
     the last three when ``accumulate``. dY [T, C] and X need a unit stride along C only; stats is contiguous."""
     T, n, C = X.shape
-    if T == 0:
-        if not accumulate:
-            for g in (dfn, dscale, dbase):
-                g.zero_()
+    if T == 0:  # no launch: the gradients of no tokens
+        _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
         return
     assert n in layout.SUPPORTED_N and dY.shape == (T, C) and dX.shape == X.shape
     assert X.stride(2) == 1 and dY.stride(1) == 1 and dX.stride(2) == 1
@@ -424,9 +422,8 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         workspace = torch.empty(need, dtype=torch.float32, device=X.device)
     dg, dz, part, dfn_part = torch.split(workspace[:need], plan.sizes)
     atomic = not deterministic
-    if atomic and not accumulate:
-        for g in (dfn, dscale, dbase):
-            g.zero_()
+    if atomic:  # the kernels add into the gradients
+        _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
     slices = cdiv(C, plan.dgate_cols)
     _head_dgate_kernel[(cdiv(T, plan.dgate_block_t), slices)](
         X, dY, dg, T, C, plan.dgate_cols, X.stride(0), X.stride(1), dY.stride(0),

@@ -139,3 +139,28 @@ def cpu_check(case: Case, path: str, tol_scale: float = 1.0) -> Dict[str, Any]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def host_time_per_call(runs: Mapping[str, Callable[[], Any]], calls: int, reps: int, on_gpu: bool,
+                       clock: Callable[[], float], unit: float) -> Dict[str, List[float]]:
+    """Host time per call in ``unit``s of a second (1e3: ms), read from ``clock``: one list of ``reps`` values
+    per path, the paths alternating rep by rep (a shared host's speed drifts). Each path runs 3 times first
+    (compile, caches, allocator warm). On a GPU each rep keeps the device busy (``torch.cuda._sleep``) while the
+    ``calls`` calls are issued, so the clock measures issuing only."""
+    for run in runs.values():
+        for _ in range(3):
+            run()
+    if on_gpu:
+        torch.cuda.synchronize()
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            if on_gpu:
+                torch.cuda._sleep(50_000_000 * max(1, calls // 10))  # the GPU stays busy: only issuing is timed
+            start = clock()
+            for _ in range(calls):
+                run()
+            times[name].append((clock() - start) / calls * unit)
+            if on_gpu:
+                torch.cuda.synchronize()
+    return times

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List
 import torch
 
 from .. import _backend
+from .core import host_time_per_call
 from .mhc_cases import _layer_forward
 from .profile import _inputs
 
@@ -59,23 +60,7 @@ def paths(T: int, C: int, device: torch.device) -> Dict[str, Callable[[], object
 def cpu_ms_per_call(runs: Dict[str, Callable[[], object]], calls: int, reps: int,
                     on_gpu: bool) -> Dict[str, List[float]]:
     """CPU milliseconds per call, one list of ``reps`` values per path; the paths alternate rep by rep."""
-    for run in runs.values():  # compile, autotune caches, allocator warm
-        for _ in range(3):
-            run()
-    if on_gpu:
-        torch.cuda.synchronize()
-    times: Dict[str, List[float]] = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            if on_gpu:
-                torch.cuda._sleep(50_000_000 * max(1, calls // 10))  # the GPU stays busy: only issuing is timed
-            start = time.perf_counter()
-            for _ in range(calls):
-                run()
-            times[name].append((time.perf_counter() - start) / calls * 1e3)
-            if on_gpu:
-                torch.cuda.synchronize()
-    return times
+    return host_time_per_call(runs, calls, reps, on_gpu, time.perf_counter, 1e3)
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _backend
+from .core import host_time_per_call
 
 EPS = 1e-6
 GPU_SHAPES = ((16384, 4096), (32768, 4096), (16384, 8192))
@@ -137,23 +138,7 @@ def host_us_per_call(runs: Dict[str, Callable[[], object]], calls: int, reps: in
     """CPU microseconds per call, one list of ``reps`` values per path; the paths alternate rep by rep. Without a
     GPU the clock is this process's CPU time: the host is shared, and time spent descheduled is not ours."""
     clock = time.perf_counter if on_gpu else time.process_time
-    for run in runs.values():  # compile, caches, allocator warm
-        for _ in range(3):
-            run()
-    if on_gpu:
-        torch.cuda.synchronize()
-    times: Dict[str, List[float]] = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, run in runs.items():
-            if on_gpu:
-                torch.cuda._sleep(50_000_000 * max(1, calls // 10))  # the GPU stays busy: only issuing is timed
-            start = clock()
-            for _ in range(calls):
-                run()
-            times[name].append((clock() - start) / calls * 1e6)
-            if on_gpu:
-                torch.cuda.synchronize()
-    return times
+    return host_time_per_call(runs, calls, reps, on_gpu, clock, 1e6)
 
 
 def gpu_us_per_call(run: Callable[[], object], calls: int = 10) -> Tuple[float, float]:
