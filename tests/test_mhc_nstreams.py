@@ -153,13 +153,14 @@ def test_compiled_model_matches_eager(n):
                                 cakeops.nn.MHC(torch.nn.Linear(C, C), C, n, sinkhorn_iters=5, hc_eps=0.05),
                                 cakeops.nn.MHC(torch.nn.Linear(C, C), C, n_streams=n, sinkhorn_iters=5),
                                 cakeops.nn.MHCHead(n)).to(DEVICE)
-    x = torch.randn(2, 7, C, device=DEVICE)
-    g = torch.randn(2, 7, C, device=DEVICE)
+    x = torch.randn(2, 7, C, device=DEVICE, requires_grad=True)
+    g = torch.randn(2, 7, C, device=DEVICE)  # a random upstream gradient (a sum's would hide the Sinkhorn's)
 
     def grads(m):
         model.zero_grad()
-        (m(x) * g).sum().backward()
-        return [p.grad.clone() for p in model.parameters()]
+        x.grad = None
+        m(x).backward(g)
+        return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
 
     eager = grads(model)
     compiled = grads(torch.compile(model, backend="aot_eager", fullgraph=True))
