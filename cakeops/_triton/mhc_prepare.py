@@ -20,6 +20,7 @@ cakeops/meta/mhc_layout.py. FP32 inside, IEEE division and square root, every ou
 do no argument validation (the public layer does); X is [T, n, C] with unit stride along C and any token /
 stream strides.
 """
+import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -165,7 +166,13 @@ def _large_shared_memory(device: torch.device) -> bool:
     """At least ~200 KB of shared memory per block (sm_90: 227 KB; sm_80: 163 KB). Unknown devices: True."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return True
-    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= 200 * 1024
+    return _optin_shared_memory(torch.cuda.current_device() if device.index is None else device.index) >= 200 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _optin_shared_memory(index: int) -> int:
+    # per call on the forward's hot path: asked of the driver once per GPU
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 @dataclass(frozen=True)
