@@ -166,9 +166,11 @@ def test_inductor_runs_the_four_ops_and_nothing_else():
         U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])
         return cake_mhc_train_finish(X, U, handle)
 
+    # each op's unchecked twin (cakeops/_ops/inductor.py): its fake checked the arguments at trace time
     assert _inductor_calls(layer, X, fn, scale, base) == [
-        "torch.ops.cakeops.mhc_prepare.default", "torch.ops.cakeops.mhc_finish.default",
-        "torch.ops.cakeops.mhc_backward_prepare.default", "torch.ops.cakeops.mhc_backward_finish.default"]
+        "torch.ops.cakeops.mhc_prepare_unchecked.default", "torch.ops.cakeops.mhc_finish_unchecked.default",
+        "torch.ops.cakeops.mhc_backward_prepare_unchecked.default",
+        "torch.ops.cakeops.mhc_backward_finish_unchecked.default"]
 
     def with_branch(X, fn, scale, base):  # the check sees Inductor's own kernels when there are some
         U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=HP[0], hc_eps=HP[1], sinkhorn_iters=HP[2])

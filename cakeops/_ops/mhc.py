@@ -173,46 +173,81 @@ def backward_finish_impl(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: T
 
 
 # ---- custom ops ----
+# Each op's body is a check of its arguments, then an unchecked function: the kernel of the op's twin that
+# compiled graphs call (inductor.define_unchecked).
+
+def _mhc_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                 sinkhorn_iters: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    U, stats = prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    return (U, stats) + fake.edges(X)
+
+
+def _mhc_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+               sinkhorn_iters: int) -> Tensor:
+    return prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, write_U=False)[1]
+
+
+def _mhc_finish(X: Tensor, B: Tensor, stats: Tensor, edge_dy: Tensor, edge_gs: Tensor) -> Tensor:
+    return finish_impl(X, B, stats)
+
+
+def _mhc_head_fwd(X: Tensor) -> Tensor:
+    return head_forward_impl(X)
+
+
+def _mhc_head_bwd(dY: Tensor, n: int) -> Tensor:
+    return head_backward_impl(dY, n)
+
+
+def _mhc_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
+    return backward_prepare_impl(dY, B, X, stats)
+
+
+def _mhc_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
+                         grad_stats: Tensor, rms_eps: float, hc_eps: float, sinkhorn_iters: int,
+                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, sinkhorn_iters,
+                                deterministic)
+
 
 @torch.library.custom_op("cakeops::mhc_prepare", mutates_args=())
 def mhc_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                 sinkhorn_iters: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(U, stats, edge_dY, edge_grad_stats). ``deterministic`` rides along for the backward."""
     checks.mhc_prepare("cakeops::mhc_prepare", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
-    U, stats = prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
-    return (U, stats) + fake.edges(X)
+    return _mhc_prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, deterministic)
 
 
 @torch.library.custom_op("cakeops::mhc_stats", mutates_args=())
 def mhc_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
               sinkhorn_iters: int) -> Tensor:
     checks.mhc_prepare("cakeops::mhc_stats", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
-    return prepare_impl(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, write_U=False)[1]
+    return _mhc_stats(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
 
 
 @torch.library.custom_op("cakeops::mhc_finish", mutates_args=())
 def mhc_finish(X: Tensor, B: Tensor, stats: Tensor, edge_dy: Tensor, edge_gs: Tensor) -> Tensor:
     """Y = post * B + comb^T X. The edges are read by nobody: they route gradients (module docstring)."""
     checks.mhc_finish("cakeops::mhc_finish", X, B, stats)
-    return finish_impl(X, B, stats)
+    return _mhc_finish(X, B, stats, edge_dy, edge_gs)
 
 
 @torch.library.custom_op("cakeops::mhc_head_fwd", mutates_args=())
 def mhc_head_fwd(X: Tensor) -> Tensor:
     checks.streams("cakeops::mhc_head_fwd", "X", X, leading_dims=True)
-    return head_forward_impl(X)
+    return _mhc_head_fwd(X)
 
 
 @torch.library.custom_op("cakeops::mhc_head_bwd", mutates_args=())
 def mhc_head_bwd(dY: Tensor, n: int) -> Tensor:
     checks.mhc_head_bwd("cakeops::mhc_head_bwd", dY, n)
-    return head_backward_impl(dY, n)
+    return _mhc_head_bwd(dY, n)
 
 
 @torch.library.custom_op("cakeops::mhc_backward_prepare", mutates_args=())
 def mhc_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
     checks.mhc_backward_prepare("cakeops::mhc_backward_prepare", dY, B, X, stats)
-    return backward_prepare_impl(dY, B, X, stats)
+    return _mhc_backward_prepare(dY, B, X, stats)
 
 
 @torch.library.custom_op("cakeops::mhc_backward_finish", mutates_args=())
@@ -221,15 +256,17 @@ def mhc_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, fn: Tensor, scale: Te
                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     checks.mhc_backward_finish("cakeops::mhc_backward_finish", X, dY, dU, fn, scale, base, stats, grad_stats,
                                rms_eps, hc_eps, sinkhorn_iters)
-    return backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, sinkhorn_iters,
+    return _mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps, hc_eps, sinkhorn_iters,
                                 deterministic)
 
 
-for _op, _fake in ((mhc_prepare, fake.mhc_prepare), (mhc_stats, fake.mhc_stats), (mhc_finish, fake.mhc_finish),
-                   (mhc_head_fwd, fake.mhc_head_fwd), (mhc_head_bwd, fake.mhc_head_bwd),
-                   (mhc_backward_prepare, fake.mhc_backward_prepare),
-                   (mhc_backward_finish, fake.mhc_backward_finish)):
-    inductor.register_fake(_op, _fake)
+for _op, _fake, _unchecked in (
+        (mhc_prepare, fake.mhc_prepare, _mhc_prepare), (mhc_stats, fake.mhc_stats, _mhc_stats),
+        (mhc_finish, fake.mhc_finish, _mhc_finish), (mhc_head_fwd, fake.mhc_head_fwd, _mhc_head_fwd),
+        (mhc_head_bwd, fake.mhc_head_bwd, _mhc_head_bwd),
+        (mhc_backward_prepare, fake.mhc_backward_prepare, _mhc_backward_prepare),
+        (mhc_backward_finish, fake.mhc_backward_finish, _mhc_backward_finish)):
+    inductor.register_fake(_op, _fake, unchecked=_unchecked)
 
 
 # ---- autograd: one formula per node, for the eager Functions and the registered autograd ----

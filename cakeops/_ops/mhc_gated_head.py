@@ -62,23 +62,34 @@ def backward_impl(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor
     return dX, dfn, dscale, dbase
 
 
+def _mhc_gated_head_fwd(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                        deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return forward_impl(X, fn, scale, base, rms_eps, hc_eps)
+
+
+def _mhc_gated_head_bwd(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
+                        rms_eps: float, hc_eps: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return backward_impl(dY, X, fn, scale, base, stats, rms_eps, hc_eps, deterministic)
+
+
 @torch.library.custom_op("cakeops::mhc_gated_head_fwd", mutates_args=())
 def mhc_gated_head_fwd(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                        deterministic: bool) -> Tuple[Tensor, Tensor]:
     """(Y, stats). ``deterministic`` rides along for the backward."""
     checks.mhc_gated_head_fwd("cakeops::mhc_gated_head_fwd", X, fn, scale, base, rms_eps, hc_eps)
-    return forward_impl(X, fn, scale, base, rms_eps, hc_eps)
+    return _mhc_gated_head_fwd(X, fn, scale, base, rms_eps, hc_eps, deterministic)
 
 
 @torch.library.custom_op("cakeops::mhc_gated_head_bwd", mutates_args=())
 def mhc_gated_head_bwd(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor,
                        rms_eps: float, hc_eps: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     checks.mhc_gated_head_bwd("cakeops::mhc_gated_head_bwd", dY, X, fn, scale, base, stats, rms_eps, hc_eps)
-    return backward_impl(dY, X, fn, scale, base, stats, rms_eps, hc_eps, deterministic)
+    return _mhc_gated_head_bwd(dY, X, fn, scale, base, stats, rms_eps, hc_eps, deterministic)
 
 
-inductor.register_fake(mhc_gated_head_fwd, fake.mhc_gated_head_fwd)
-inductor.register_fake(mhc_gated_head_bwd, fake.mhc_gated_head_bwd)
+# the unchecked bodies: what compiled graphs call (inductor.define_unchecked)
+inductor.register_fake(mhc_gated_head_fwd, fake.mhc_gated_head_fwd, unchecked=_mhc_gated_head_fwd)
+inductor.register_fake(mhc_gated_head_bwd, fake.mhc_gated_head_bwd, unchecked=_mhc_gated_head_bwd)
 
 
 def gated_head_backward(bwd, dY: Optional[Tensor], X: Tensor, fn: Tensor, scale: Tensor, base: Tensor,

@@ -97,11 +97,27 @@ def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Op
     return dX, dw.to(w.dtype)
 
 
+# The ops' bodies without their argument checks: what compiled graphs call (inductor.define_unchecked).
+
+def _rmsnorm_fwd(x: Tensor, w: Tensor, eps: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return forward_impl(x, w, eps)
+
+
+def _add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
+                     deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    return forward_impl(x, w, eps, residual)
+
+
+def _rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
+                 deterministic: bool) -> Tuple[Tensor, Tensor]:
+    return backward_impl(g, x, w, rstd, g_residual, deterministic)
+
+
 @torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
 def rmsnorm_fwd(x: Tensor, w: Tensor, eps: float, deterministic: bool) -> Tuple[Tensor, Tensor]:
     """y, rstd = RMSNorm(x) * w. ``deterministic`` only rides along for the backward."""
     checks.rmsnorm_fwd("cakeops::rmsnorm_fwd", x, w, eps)
-    return forward_impl(x, w, eps)
+    return _rmsnorm_fwd(x, w, eps, deterministic)
 
 
 @torch.library.custom_op("cakeops::add_rmsnorm_fwd", mutates_args=())
@@ -109,7 +125,7 @@ def add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
                     deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """h_new = x + residual; y, rstd = RMSNorm(h_new) * w."""
     checks.rmsnorm_fwd("cakeops::add_rmsnorm_fwd", x, w, eps, residual)
-    return forward_impl(x, w, eps, residual)
+    return _add_rmsnorm_fwd(x, residual, w, eps, deterministic)
 
 
 @torch.library.custom_op("cakeops::rmsnorm_bwd", mutates_args=())
@@ -117,12 +133,12 @@ def rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optio
                 deterministic: bool) -> Tuple[Tensor, Tensor]:
     """dx (g_residual folded in, one rounding) and dw in FP32."""
     checks.rmsnorm_bwd("cakeops::rmsnorm_bwd", g, x, w, rstd, g_residual)
-    return backward_impl(g, x, w, rstd, g_residual, deterministic)
+    return _rmsnorm_bwd(g, x, w, rstd, g_residual, deterministic)
 
 
-inductor.register_fake(rmsnorm_fwd, fake.rmsnorm_fwd)
-inductor.register_fake(add_rmsnorm_fwd, fake.add_rmsnorm_fwd)
-inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd)
+inductor.register_fake(rmsnorm_fwd, fake.rmsnorm_fwd, unchecked=_rmsnorm_fwd)
+inductor.register_fake(add_rmsnorm_fwd, fake.add_rmsnorm_fwd, unchecked=_add_rmsnorm_fwd)
+inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd, unchecked=_rmsnorm_bwd)
 
 
 # ---- autograd: one formula for the eager Function and the registered autograd ----
