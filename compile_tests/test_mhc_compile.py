@@ -191,7 +191,8 @@ def _inductor_calls(fn, *args):
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    _, codes = run_and_get_code(lambda: compiled(*args).backward(torch.randn_like(args[0])))
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would lower nothing
+        _, codes = run_and_get_code(lambda: compiled(*args).backward(torch.randn_like(args[0])))
     calls = []
     for code in codes:
         lines = code[code.index("def call("):].splitlines()
