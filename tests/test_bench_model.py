@@ -164,3 +164,40 @@ def test_a_graph_break_is_retried_without_fullgraph_and_reported(monkeypatch):
     row = bench_model.run_variant(cfg, "plain", opts, torch.device("cpu"), torch.float32)
     assert row["status"] == "ok" and row["fullgraph"] is False, row
     assert "graph_break" in row and math.isfinite(row["loss"])
+
+
+def test_kernel_kinds_name_cakeops_kernels_and_sort_the_rest():
+    from cakeops.bench import kernel_breakdown as kb
+
+    ours = kb.cakeops_kernels()
+    # the kernels of both families are found by their triton.jit functions, not by a list kept by hand
+    assert ours["_rmsnorm_fwd_kernel"] == "cakeops RMSNorm" and ours["_project_kernel"] == "cakeops mHC"
+    assert ours["_dx_kernel"] == "cakeops mHC" and ours["_head_dgate_kernel"] == "cakeops mHC"
+    assert ours["_sum_partials_kernel"] == "cakeops partial sums"
+    assert kb.kind_of("triton_per_fused_add_mul_0", ours) == "Inductor (fused torch ops)"
+    assert kb.kind_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", ours) == "GEMM"
+    assert kb.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", ours) == "GEMM"
+    assert kb.kind_of("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", ours) == "attention"
+    assert kb.kind_of("void at::native::vectorized_elementwise_kernel<4, ...>", ours) == "other"
+
+
+def test_kind_table_shows_where_the_overhead_goes():
+    from cakeops.bench import kernel_breakdown as kb
+
+    def ms(**kw):
+        row = dict.fromkeys(kb.KINDS, 0.0)
+        row.update({k.replace("_", " "): v for k, v in kw.items()})
+        row["kernels"] = sum(row[k] for k in kb.KINDS)
+        row["wall"] = row["kernels"] + 1.0
+        row["idle"] = 1.0
+        return row
+
+    plain = ms(GEMM=10.0, attention=5.0)
+    mhc = ms(GEMM=10.0, attention=5.0, **{"cakeops mHC": 3.0})
+    results = [{"preset": "c2048", "rows": [{"variant": "plain", "gpu_ms_by_kind": plain},
+                                            {"variant": "cakeops", "gpu_ms_by_kind": mhc}]}]
+    columns, cells = bench_model.kind_table(results)
+    assert columns[:3] == ["config", "variant", "cakeops mHC"]
+    assert [c[1] for c in cells] == ["plain", "cakeops", "cakeops - plain"]
+    diff = dict(zip(columns, cells[2]))
+    assert diff["cakeops mHC"] == "+3.00" and diff["GEMM"] == "+0.00" and diff["kernels"] == "+3.00"

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import plot, report
+from . import kernel_breakdown, plot, report
 from .cli import _say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
 
@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="sequences per step")
     p.add_argument("--seq", type=int, help="tokens per sequence")
     p.add_argument("--vocab", type=int, help="vocabulary size (presets: 32000; tiny 256)")
-    p.add_argument("--streams", type=int, choices=[4], help="mHC streams n (4: the only n cakeops and TE support)")
+    p.add_argument("--streams", type=int, choices=[2, 4, 8],
+                   help="mHC streams n (presets: 4)")
     p.add_argument("--sinkhorn-iters", dest="sinkhorn_iters", type=int, help="Sinkhorn iterations (20)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="activations and weights; mHC mappings stay FP32 (default: bfloat16 on CUDA, float32 on CPU)")
@@ -92,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens (0)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="run the cakeops-vs-math agreement check first (default); --no-check skips it")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: after timing, one more step under torch.profiler, its GPU time split by kind of kernel "
+                        "(cakeops mHC / RMSNorm, Inductor's glue, GEMM, attention, other) and idle time")
     p.add_argument("--out", type=Path, default=Path("bench_model_out"),
                    help="directory for model.md, model.json, model.png (default bench_model_out)")
     return p
@@ -225,6 +229,9 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         row["first_step_s"] = first_s
         row["compile_s"] = max(0.0, first_s - row["step_ms"] / 1e3)
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        if opts.profile and device.type == "cuda":
+            _say(f"  {variant}: one step under the profiler")
+            row["gpu_ms_by_kind"] = kernel_breakdown.breakdown(step, device)
     except torch.cuda.OutOfMemoryError as exc:
         row["status"] = f"out of memory ({_first_line(exc)[:120]})"
     except Exception as exc:  # one variant failing must not take the others down
@@ -359,6 +366,24 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
     return columns, cells
 
 
+def kind_table(results: Sequence[Dict[str, Any]]) -> report.Table:
+    """ms per step by kind of kernel, one row per profiled variant; a "vs plain" row per mHC variant: where its
+    overhead goes."""
+    kinds = list(kernel_breakdown.KINDS) + ["kernels", "idle", "wall"]
+    columns = ["config", "variant"] + kinds
+    cells = []
+    for res in results:
+        by = {r["variant"]: r.get("gpu_ms_by_kind") for r in res["rows"]}
+        for variant, ms in by.items():
+            if ms is None:
+                continue
+            cells.append([res["preset"], variant] + [f"{ms[k]:.2f}" for k in kinds])
+            if variant != "plain" and by.get("plain"):
+                cells.append([res["preset"], f"{variant} - plain"]
+                             + [f"{ms[k] - by['plain'][k]:+.2f}" for k in kinds])
+    return columns, cells
+
+
 def step_time_plot(path: Path, results: Sequence[Dict[str, Any]], variants: Sequence[str], title: str) -> Path:
     """Grouped bars: step time per variant (bars) per config (groups); mHC bars labelled with the overhead."""
     plt = plot._pyplot()
@@ -426,6 +451,9 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
         header += ["Agreement check: " + _check_line(check), ""]
     summary = report.markdown(summary_table(results, variants))
     detail = report.markdown(detail_table(results, cuda))
+    if any("gpu_ms_by_kind" in r for res in results for r in res["rows"]):
+        detail += ("\nGPU time of one step by kind of kernel, ms (`--profile`; idle = wall - kernels: launch gaps "
+                   "and host waits):\n\n" + report.markdown(kind_table(results)))
     path_md = out / "model.md"
     out.mkdir(parents=True, exist_ok=True)
     path_md.write_text("\n".join(header) + "\n" + summary + "\n" + detail)
