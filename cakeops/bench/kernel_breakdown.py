@@ -10,7 +10,7 @@ import functools
 import importlib
 import pkgutil
 import re
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -60,16 +60,18 @@ def _device_us(event) -> float:
     return 0.0
 
 
-def breakdown(step: Callable[[], object], device: torch.device) -> Dict[str, float]:
-    """ms of GPU time per kind in one call of ``step`` (after it has been warmed up), with "kernels" (their sum),
-    "wall" (the step between two synchronizations) and "idle" (wall - kernels, >= 0: launch gaps and host waits;
-    kernels on several streams would overlap and make it an underestimate)."""
+def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """(ms of GPU time per kind, ms per cakeops kernel, largest first) in one call of ``step`` (after it has been
+    warmed up). The first also has "kernels" (the kinds' sum), "wall" (the step between two synchronizations) and
+    "idle" (wall - kernels, >= 0: launch gaps and host waits; kernels on several streams would overlap and make it
+    an underestimate)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
     ours = cakeops_kernels()
-    totals = dict.fromkeys(KINDS, 0.0)
+    totals: Dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    per_kernel: Dict[str, float] = {}
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -78,9 +80,12 @@ def breakdown(step: Callable[[], object], device: torch.device) -> Dict[str, flo
         wall = 1e3 * (time.perf_counter() - t)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
-            totals[kind_of(event.name, ours)] += _device_us(event) / 1e3
+            ms = _device_us(event) / 1e3
+            totals[kind_of(event.name, ours)] += ms
+            if event.name in ours:
+                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
     totals["kernels"] = sum(totals[k] for k in KINDS)
     totals["wall"] = wall
     totals["idle"] = max(0.0, wall - totals["kernels"])
-    return totals
+    return totals, dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 

@@ -231,7 +231,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         if opts.profile and device.type == "cuda":
             _say(f"  {variant}: one step under the profiler")
-            row["gpu_ms_by_kind"] = kernel_breakdown.breakdown(step, device)
+            row["gpu_ms_by_kind"], row["cakeops_kernel_ms"] = kernel_breakdown.breakdown(step, device)
     except torch.cuda.OutOfMemoryError as exc:
         row["status"] = f"out of memory ({_first_line(exc)[:120]})"
     except Exception as exc:  # one variant failing must not take the others down
@@ -454,6 +454,11 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
     if any("gpu_ms_by_kind" in r for res in results for r in res["rows"]):
         detail += ("\nGPU time of one step by kind of kernel, ms (`--profile`; idle = wall - kernels: launch gaps "
                    "and host waits):\n\n" + report.markdown(kind_table(results)))
+        for res in results:
+            for r in res["rows"]:
+                if r.get("cakeops_kernel_ms"):
+                    top = ", ".join(f"{k} {v:.2f}" for k, v in list(r["cakeops_kernel_ms"].items())[:12])
+                    detail += f"\n{res['preset']} {r['variant']}: cakeops kernels, ms per step: {top}\n"
     path_md = out / "model.md"
     out.mkdir(parents=True, exist_ok=True)
     path_md.write_text("\n".join(header) + "\n" + summary + "\n" + detail)
