@@ -16,6 +16,7 @@ gives no compilable kernels (tests/test_mhc_gated_head.py runs this in a subproc
 """
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -39,6 +40,7 @@ class Built:
     regs: Optional[int]
     spill: Optional[int]
     grid: tuple
+    ptx_sha: str = ""  # sha256 of the PTX: an unchanged kernel is a byte-identical build
 
     def per_sm(self, sm: int) -> int:
         threads = 32 * self.num_warps
@@ -139,7 +141,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[B
                                   options=options.__dict__)
         regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
-                           regs, spill, tuple(grid) if not callable(grid) else ()))
+                           regs, spill, tuple(grid) if not callable(grid) else (),
+                           hashlib.sha256(compiled.asm["ptx"].encode()).hexdigest()[:16]))
     return built
 
 
@@ -186,7 +189,7 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
 
 
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
-          deterministic: bool = True, out=print, kernels=None, launches=None) -> bool:
+          deterministic: bool = True, out=print, kernels=None, launches=None, sha: bool = False) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
     True when all fit the target's shared memory."""
     import torch
@@ -206,7 +209,7 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
                                  if k.startswith(("BLOCK", "N", "DFN", "FUSED", "PRESPLIT", "X_PER")))
                 out(f"T={T:<6d} n={n} C={C:<5d} {b.kernel:22s} warps={b.num_warps} stages={b.num_stages} "
                     f"smem={b.shared:7d} {'ok ' if fits else 'TOO BIG'} regs={b.regs} spill={b.spill} "
-                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}")
+                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}" + (f"  ptx={b.ptx_sha}" if sha else ""))
     return ok
 
 
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--all-candidates", action="store_true", help="the default and every GatedHeadConfig candidate")
     p.add_argument("--atomic", action="store_true", help="the non-deterministic backward")
     p.add_argument("--kernels", default="", help="only these kernels (comma-separated names)")
+    p.add_argument("--sha", action="store_true",
+                   help="print each kernel's PTX hash (a change that must leave a build alone: compare before/after)")
     args = p.parse_args(argv)
     from .._triton.mhc_gated_head import GatedHeadConfig
     from .._triton.mhc_prepare import PrepareConfig  # noqa: F401  (for --config expressions)
@@ -241,7 +246,7 @@ def main(argv=None) -> int:
         configs = [None] + list(GatedHeadConfig.candidates())
     kernels = {k.strip() for k in args.kernels.split(",") if k.strip()} or None
     ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels,
-               launches=mhc_layer_launches if args.op == "mhc" else None)
+               launches=mhc_layer_launches if args.op == "mhc" else None, sha=args.sha)
     print("all kernels fit" if ok else "SOME KERNELS DO NOT FIT the shared memory of sm_%d" % args.sm)
     return 0 if ok else 1
 
