@@ -191,9 +191,13 @@ def _wide_candidates(n: int):
 # = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
 # B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
 # one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
+# n = 8, kernel A: 240 registers allow 8 programs of one warp per SM, and the scratch budget holds them all
+# (8 x 132 slots of 78 KB at iters = 20: 84 MB): 64 MB held it to 840 programs, 6.4 per SM, so at T = 16384
+# (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
-    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2},
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2,
+        "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
 
 
