@@ -208,6 +208,16 @@ def test_tune_match_keeps_the_default_and_the_matching_variants():
     assert list(selected(every, "")) == every
 
 
+def test_tune_labels_n8_candidates_by_what_differs_from_n8s_default():
+    from cakeops._triton.mhc_backward_finish import FinishConfig
+    from cakeops._triton.mhc_prepare import PrepareConfig
+    from cakeops.bench.tune import _label, _variants
+    for cls in (FinishConfig, PrepareConfig):
+        labels = [_label(cfg, 8) for cfg, name in _variants(cls, 8) if name != "default"]
+        assert len(set(labels)) == len(labels)
+        assert not any("streams" in label or "default config" in label for label in labels)
+
+
 def test_host_tool_measures_both_paths_without_kernels(capsys):
     from cakeops._triton import mhc_backward, mhc_forward
     from cakeops.bench import host

@@ -249,3 +249,49 @@ def test_n8_runs_at_a_real_size():
     assert rel_err(U, U64) <= 4e-3 and rel_err(stats, stats64) <= 1e-3
     for g, w in zip(got, want):
         assert rel_err(g, w) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------------
+# the tuner's candidates at n = 8 (python -m cakeops.bench.tune --n 8); compiled for sm_90 by
+# python -m cakeops.bench.build_check --op mhc --candidates prepare,backward_prepare,backward_finish --n 8 (4 min)
+# ------------------------------------------------------------------------------------------------
+
+def _wide_candidate_classes():
+    from cakeops._triton.mhc_backward_finish import FinishConfig
+    from cakeops._triton.mhc_backward_prepare import BackwardPrepareConfig
+    from cakeops._triton.mhc_prepare import PrepareConfig
+
+    return PrepareConfig, BackwardPrepareConfig, FinishConfig
+
+
+@pytest.mark.parametrize("cls", _wide_candidate_classes(), ids=lambda c: c.__name__)
+def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, cls):
+    """Distinct, at most 12 (the sweep's H200 minutes), none the default, n = 4's list untouched by the n argument;
+    each resolves for n = 8 to what it asked for (FinishConfig: a field at n = 4's default value is kept)."""
+    wide = list(cls.candidates(8))
+    assert 0 < len(wide) <= 12 and len(set(wide)) == len(wide)
+    assert list(cls.candidates()) == list(cls.candidates(4)) and wide != list(cls.candidates())
+    if cls.__name__ == "FinishConfig":
+        default = cls().resolve(8)
+        assert all(cfg.resolve(8) is cfg and cfg != default for cfg in wide)
+        assert any(cfg.warps == 4 for cfg in wide)  # n = 4's default value, kept at n = 8
+    elif cls.__name__ == "PrepareConfig":
+        from cakeops._triton import mhc_prepare  # resolved for an H200 that is not there
+
+        monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
+        monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
+        resolved = [cfg.resolve_for(16384, 4096, torch.device("cuda"), True, n=8) for cfg in wide]
+        assert all(r.block_c == 16 and r.slices >= 1 for r in resolved)  # 16 columns: n = 8's fn tiles
+    else:
+        assert all(cfg.resolve(4096, 2)[0] in (128 * cfg.num_warps, 256 * cfg.num_warps) for cfg in wide)
+
+
+def test_kernel_a_at_n8_keeps_its_programs_resident():
+    """n = 8's kernel A default: as many programs as its registers keep resident (8 / SM at 240 on sm_90), all
+    within its scratch budget at iters = 20."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    cfg = F.FinishConfig().resolve(8)
+    slot = (2 * 20 - 1) * cfg.dlogits_block_t * 64 * 4
+    assert cfg.dlogits_per_sm * 132 * slot <= cfg.dlogits_scratch_bytes
+    assert F.FinishConfig().resolve(4).dlogits_scratch_bytes == F.SCRATCH_BUDGET_BYTES

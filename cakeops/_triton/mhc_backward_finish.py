@@ -23,6 +23,7 @@ Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
 """
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
@@ -79,6 +80,12 @@ def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor,
 # Launcher
 # ------------------------------------------------------------------------------------------------
 
+# Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an
+# H200 at iters=20); above this, fewer programs each walk more token blocks (iters=64: ~8 instead of 16 per SM).
+# The default of FinishConfig.dlogits_scratch_bytes (n = 8's: STREAM_DEFAULTS).
+SCRATCH_BUDGET_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class FinishConfig:
     """Launch shape of backward_finish. Defaults: the fastest of a sweep on an H200 (bf16, T=16384, C=4096,
@@ -92,6 +99,7 @@ class FinishConfig:
     dlogits_block_t: int = SINKHORN_TILE[0]  # kernel A: tokens per block, warps (the forward's Sinkhorn
     dlogits_warps: int = SINKHORN_TILE[1]    # tile: its replay is then bitwise the forward's)
     dlogits_per_sm: int = 16     # kernel A: persistent programs per SM (each owns a Sinkhorn scratch slot)
+    dlogits_scratch_bytes: int = SCRATCH_BUDGET_BYTES  # kernel A: cap on its Sinkhorn scratch, all programs
     block_t: int = 16            # kernel B (dX): tokens per block (>= 16, a tl.dot dimension)
     block_c: int = 64            # kernel B: columns per stream and program
     warps: int = 4
@@ -108,20 +116,32 @@ class FinishConfig:
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
+    streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
     def resolve(self, n: int) -> "FinishConfig":
         """This config for n streams: the defaults above are n = 4's; for another n, every field still at its
         n = 4 default takes that n's value from STREAM_DEFAULTS (tiles that hold n streams, or M_PAD = 16 / 128
-        logit columns, sized to keep a thread's registers near n = 4's). n = 4: the config itself."""
-        if n == layout.N_STREAMS:
+        logit columns, sized to keep a thread's registers near n = 4's). n = 4, or a config built by
+        for_streams(n): the config itself."""
+        if n == layout.N_STREAMS or self.streams == n:
             return self
         default = FinishConfig()
         return replace(self, **{k: v for k, v in STREAM_DEFAULTS.get(n, {}).items()
                                 if getattr(self, k) == getattr(default, k)})
 
     @staticmethod
-    def candidates():
-        """The tuner's variants besides the default (kernel A keeps SINKHORN_TILE: see mhc_math.py)."""
+    def for_streams(n: int, **fields) -> "FinishConfig":
+        """n's defaults with ``fields`` changed, kept as given by resolve(n): a field set to n = 4's default
+        value (say 4 warps at n = 8) would otherwise be taken for "unset" and get n's default."""
+        return replace(FinishConfig().resolve(n), streams=n, **fields)
+
+    @staticmethod
+    def candidates(n: int = layout.N_STREAMS):
+        """The tuner's variants besides the default for n streams: n = 8 has its own (_wide_candidates), every
+        other n n = 4's list (kernel A keeps SINKHORN_TILE: see mhc_math.py)."""
+        if n > layout.N_STREAMS:
+            yield from _wide_candidates(n)
+            return
         # kernel B: programs per SM; taller token blocks and wider columns (all slower on the H200, 2026-11-29:
         # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
         for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
@@ -144,19 +164,41 @@ class FinishConfig:
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
 
 
+def _wide_candidates(n: int):
+    """n = 8's variants, one cause each (triton 3.6 sm_90 builds at T = 16384, C = 4096: registers, programs per
+    SM; none spills). Kernel A at other tiles replays the Sinkhorn on a layout the forward's gates kernel does not
+    use unless the forward runs on the same tile (mhc_math.SINKHORN_TILE): the tuner computes its stats so."""
+    F = functools.partial(FinishConfig.for_streams, n)
+    yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
+    yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
+    yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
+    yield F(dlogits_warps=2, dlogits_per_sm=6)     # A: 166 registers, 6 / SM of 2 warps
+    # B: 16 columns per stream (fn's [8, 128, 16] chunk is 64 KB, not 128): 2-3 programs of 4 warps per SM
+    yield F(block_c=16, warps=4, x_per_stream=False, per_sm=2)             # 128 registers, 76 KB shared, 2 / SM
+    yield F(block_c=16, warps=4, x_per_stream=False, stages=3, per_sm=2)   # 128 registers, 84 KB, 2 / SM
+    yield F(block_c=16, warps=4, x_per_stream=False, stages=1, per_sm=3)   # 128 registers, 72 KB, 3 / SM
+    yield F(block_c=16, warps=4, stages=1, maxnreg=128, per_sm=3)          # capped at 128 without spills, 3 / SM
+    yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
+    # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
+    yield F(dpre_block_c=64)
+    yield F(dfn_block_c=128)
+    # A and B together, at the shapes above
+    yield F(dlogits_block_t=4, dlogits_per_sm=14, block_c=16, warps=4, x_per_stream=False, per_sm=2)
+
+
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
 # (triton 3.6) to keep n = 4's rows in flight without spills; not yet measured on a GPU. dpre: n * dpre_block_t
 # = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
 # B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
 # one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
+# n = 8, kernel A: 240 registers allow 8 programs of one warp per SM, and the scratch budget holds them all
+# (8 x 132 slots of 78 KB at iters = 20: 84 MB): 64 MB held it to 840 programs, 6.4 per SM, so at T = 16384
+# (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
-    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2},
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2,
+        "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
-
-# Kernel A's Sinkhorn scratch grows with its programs and with sinkhorn_iters (40 MB at the defaults on an
-# H200 at iters=20); above this, fewer programs each walk more token blocks (iters=64: ~8 instead of 16 per SM).
-SCRATCH_BUDGET_BYTES = 64 << 20
 
 
 class _Split(NamedTuple):
@@ -195,7 +237,7 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     cfg = cfg.resolve(n)
     slot = (2 * iters - 1) * cfg.dlogits_block_t * n * n * 4  # bytes of one program's Sinkhorn scratch
     a_programs = max(1, min(persistent_programs(device, cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
-                            SCRATCH_BUDGET_BYTES // slot))
+                            cfg.dlogits_scratch_bytes // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))

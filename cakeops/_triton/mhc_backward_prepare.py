@@ -97,9 +97,13 @@ class BackwardPrepareConfig:
         return block_c, num_warps, min(vec, block_c)
 
     @staticmethod
-    def candidates():
+    def candidates(n: int = 4):
+        """The tuner's variants. n = 8: only a thread's own 16-byte vector of each stream (256 columns per warp)
+        or half of it (128: 168-178 registers against 232, sm_90); wider blocks spill (2.5-117 KB)."""
         for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
-            if block_c >= 256 * warps:
+            if n <= 4 and block_c >= 256 * warps:
+                yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
+            elif n > 4 and block_c in (128 * warps, 256 * warps) and (block_c, warps) != (1024, 4):  # not the default
                 yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
 
 

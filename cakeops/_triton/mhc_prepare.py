@@ -230,13 +230,32 @@ class PrepareConfig:
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod
-    def candidates():
-        """The tuner's variants besides the default."""
+    def candidates(n: int = 4):
+        """The tuner's variants besides the default, for n streams (n = 8 has its own, every other n n = 4's)."""
+        if n > 4:
+            yield from _wide_candidates()
+            return
         yield PrepareConfig(presplit=False)  # fn split per tile inside the projection
         # 128 programs of 128 tokens leave SMs idle: shorter blocks / column slices / deeper pipelines
         for block_t, warps, stages, block_c, slices in ((128, 8, 3, 64, 1), (128, 8, 3, 64, 2), (64, 4, 3, 64, 1),
                                                         (64, 4, 2, 64, 2), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1)):
             yield PrepareConfig(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices)
+
+
+def _wide_candidates():
+    """n = 8's projection shapes (triton 3.6 sm_90 builds at T = 16384, C = 4096; none spills). fn's bf16 hi / lo
+    tiles are 80 (M_PAD 128) rows wide, so every token block re-reads 2.5x its own X bytes of fn from L2 at 64
+    tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers
+    (106 KB of shared memory at 128 x 16: 2 programs / SM), column slices give the SMs programs to share."""
+    for block_t, warps, stages, slices, presplit in (
+            (128, 8, 2, 1, True), (128, 8, 2, 2, True),      # 160 KB shared, 128 registers, 1 / SM
+            (128, 8, 2, 1, False), (128, 8, 2, 2, False),    # 104 KB, 128 registers, 2 / SM
+            (128, 8, 3, 2, False),                           # 200 KB, 1 / SM
+            (256, 16, 2, 2, False),                          # 136 KB, 128 registers, 1 / SM
+            (64, 4, 2, 1, True), (64, 4, 3, 1, False),       # the default's tile, other pipelines
+            (32, 4, 3, 1, True)):                            # 144 KB, 122 registers, 512 blocks
+        yield PrepareConfig(block_t=block_t, block_c=16, num_warps=warps, num_stages=stages, slices=slices,
+                            presplit=presplit)
 
 
 def workspace_regions(T: int, n: int, C: int, dtype: torch.dtype, cfg: PrepareConfig):

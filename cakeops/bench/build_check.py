@@ -11,11 +11,15 @@ and the programs per SM that registers / shared memory allow.
 
 ``--config`` is a Python expression for the launchers' ``GatedHeadConfig`` (e.g.
 ``"GatedHeadConfig(dfn='separate')"``); ``--all-candidates`` checks the default and every candidate.
+``--op mhc --candidates prepare,backward_prepare,backward_finish --n 8``: every config ``python -m
+cakeops.bench.tune --n 8`` sweeps for those ops, each compiling its op's kernels. ``--sha``: each kernel's PTX
+hash (a change meant to leave some builds alone compares them before / after).
 Exit status 1 when a kernel does not fit. Run with TRITON_INTERPRET unset: under the interpreter ``triton.jit``
 gives no compilable kernels (tests/test_mhc_gated_head.py runs this in a subprocess without it).
 """
 import argparse
 import contextlib
+import hashlib
 import os
 import re
 import subprocess
@@ -39,6 +43,7 @@ class Built:
     regs: Optional[int]
     spill: Optional[int]
     grid: tuple
+    ptx_sha: str = ""  # sha256 of the PTX's code: an unchanged kernel is the same build
 
     def per_sm(self, sm: int) -> int:
         threads = 32 * self.num_warps
@@ -47,6 +52,13 @@ class Built:
         limit = SMEM_LIMIT.get(sm, 232448)
         by_smem = (limit + 1024) // (self.shared + 1024) if self.shared else by_threads  # 1 KiB reserved per CTA
         return min(by_threads, by_regs, by_smem)
+
+
+def _code_sha(ptx: str) -> str:
+    """sha256 of the PTX's instructions: without the source locations (.loc / .file, the debug sections), which
+    move when a line is added above the kernel in its file."""
+    code = [line for line in ptx.split(".section")[0].splitlines() if not line.lstrip().startswith((".loc", ".file"))]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
 
 
 def _ptxas_usage(ptx: str, sm: int):
@@ -139,7 +151,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[B
                                   options=options.__dict__)
         regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
-                           regs, spill, tuple(grid) if not callable(grid) else ()))
+                           regs, spill, tuple(grid) if not callable(grid) else (),
+                           _code_sha(compiled.asm["ptx"])))
     return built
 
 
@@ -162,12 +175,34 @@ def gated_head_launches(T: int, n: int, C: int, dtype, config=None, deterministi
     return call
 
 
+# The kernels each mHC op launches: ``--candidates OP`` compiles only these, under each of OP's configs.
+MHC_OP_KERNELS = {
+    "prepare": ("_split_fn_kernel", "_project_kernel", "_gates_kernel", "_collapse_kernel"),
+    "backward_prepare": ("_backward_prepare_kernel",),
+    "backward_finish": ("_dpre_kernel", "_dlogits_kernel", "_params_reduce_kernel", "_dx_kernel", "_dfn_kernel",
+                        "_sum_partials_kernel"),
+}
+
+
+def mhc_config_classes():
+    """The launch config class of each mHC op (the tuner sweeps their ``candidates(n)``)."""
+    from .._triton.mhc_backward_finish import FinishConfig
+    from .._triton.mhc_backward_prepare import BackwardPrepareConfig
+    from .._triton.mhc_prepare import PrepareConfig
+
+    return {"prepare": PrepareConfig, "backward_prepare": BackwardPrepareConfig, "backward_finish": FinishConfig}
+
+
 def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
     """A callable that runs an mHC layer's launchers (prepare, finish, backward_prepare, backward_finish) on meta
-    tensors. ``config`` is unused (the layer's launchers take their defaults)."""
+    tensors. ``config``: a PrepareConfig, BackwardPrepareConfig or FinishConfig, given to its op's launcher (the
+    others take their defaults); None: every launcher its default."""
     import torch
     from .._triton import mhc_backward, mhc_forward
     from ..meta import mhc_layout
+
+    def cfg_for(op):
+        return config if isinstance(config, mhc_config_classes()[op]) else None
 
     def call():
         m = torch.device("meta")
@@ -176,17 +211,20 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
         fn, scale, base = torch.empty(M, n * C, device=m), torch.empty(3, device=m), torch.empty(M, device=m)
         stats = torch.empty(T, mhc_layout.stats_width(n), device=m)
         gs = torch.empty(T, mhc_layout.grad_stats_width(n), device=m)
-        mhc_forward.prepare(X, fn, scale, base, 1e-5, 1e-6, 20, stats, torch.empty_like(B))
+        mhc_forward.prepare(X, fn, scale, base, 1e-5, 1e-6, 20, stats, torch.empty_like(B),
+                            config=cfg_for("prepare"))
         mhc_forward.finish(X, B, stats, torch.empty_like(X))
-        mhc_backward.backward_prepare(torch.empty_like(X), B, X, stats, torch.empty_like(B), gs)
+        mhc_backward.backward_prepare(torch.empty_like(X), B, X, stats, torch.empty_like(B), gs,
+                                      config=cfg_for("backward_prepare"))
         mhc_backward.backward_finish(X, torch.empty_like(X), B, fn, scale, base, stats, gs, 1e-5, 1e-6, 20,
                                      torch.empty_like(X), torch.empty_like(fn), torch.empty_like(scale),
-                                     torch.empty_like(base), deterministic=deterministic)
+                                     torch.empty_like(base), deterministic=deterministic,
+                                     config=cfg_for("backward_finish"))
     return call
 
 
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
-          deterministic: bool = True, out=print, kernels=None, launches=None) -> bool:
+          deterministic: bool = True, out=print, kernels=None, launches=None, sha: bool = False) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
     True when all fit the target's shared memory."""
     import torch
@@ -206,7 +244,22 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
                                  if k.startswith(("BLOCK", "N", "DFN", "FUSED", "PRESPLIT", "X_PER")))
                 out(f"T={T:<6d} n={n} C={C:<5d} {b.kernel:22s} warps={b.num_warps} stages={b.num_stages} "
                     f"smem={b.shared:7d} {'ok ' if fits else 'TOO BIG'} regs={b.regs} spill={b.spill} "
-                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}")
+                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}" + (f"  ptx={b.ptx_sha}" if sha else ""))
+    return ok
+
+
+def check_candidates(ops, ns, T: int = 16384, C: int = 4096, dtype_name: str = "bfloat16", sm: int = 90,
+                     sms: int = 132, out=print, sha: bool = False) -> bool:
+    """Every config the tuner sweeps for these mHC ops at these n (the default and ``candidates(n)``), each
+    compiling only its op's kernels; True when every one fits the target's shared memory."""
+    ok = True
+    for op in ops:
+        cls = mhc_config_classes()[op]
+        for n in ns:
+            for cfg in [None] + list(cls.candidates(n)):
+                out(f"{op} n={n}: {cfg if cfg is not None else 'default'}")
+                ok &= check([(T, n, C)], dtype_name, sm, sms, (cfg,), out=out, kernels=set(MHC_OP_KERNELS[op]),
+                            launches=mhc_layer_launches, sha=sha)
     return ok
 
 
@@ -226,6 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--all-candidates", action="store_true", help="the default and every GatedHeadConfig candidate")
     p.add_argument("--atomic", action="store_true", help="the non-deterministic backward")
     p.add_argument("--kernels", default="", help="only these kernels (comma-separated names)")
+    p.add_argument("--candidates", default="",
+                   help="mHC ops (prepare,backward_prepare,backward_finish): compile each op's kernels under its "
+                        "default and every candidates(n) config, at every --n (what the tuner sweeps)")
+    p.add_argument("--sha", action="store_true",
+                   help="print each kernel's PTX hash (a change that must leave a build alone: compare before/after)")
     args = p.parse_args(argv)
     from .._triton.mhc_gated_head import GatedHeadConfig
     from .._triton.mhc_prepare import PrepareConfig  # noqa: F401  (for --config expressions)
@@ -240,8 +298,13 @@ def main(argv=None) -> int:
     if args.all_candidates:
         configs = [None] + list(GatedHeadConfig.candidates())
     kernels = {k.strip() for k in args.kernels.split(",") if k.strip()} or None
+    if args.candidates:
+        ok = check_candidates([op.strip() for op in args.candidates.split(",") if op.strip()], ns, args.T, args.C,
+                              args.dtype, args.sm, args.sms, sha=args.sha)
+        print("every candidate fits" if ok else "SOME CANDIDATES DO NOT FIT sm_%d" % args.sm)
+        return 0 if ok else 1
     ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels,
-               launches=mhc_layer_launches if args.op == "mhc" else None)
+               launches=mhc_layer_launches if args.op == "mhc" else None, sha=args.sha)
     print("all kernels fit" if ok else "SOME KERNELS DO NOT FIT the shared memory of sm_%d" % args.sm)
     return 0 if ok else 1
 

@@ -1,4 +1,4 @@
-"""``python -m cakeops.bench.tune [--ops OPS] [--out DIR]``: sweep the launch shapes of the mHC kernels
+"""``python -m cakeops.bench.tune [--ops OPS] [--n N] [--out DIR]``: sweep the launch shapes of the mHC kernels
 (prepare, backward_prepare, backward_finish, head_backward, gated_head) on a GPU, check every variant against the
 default's outputs, and print the fastest (with each kernel's GPU time).
 
@@ -9,11 +9,17 @@ defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096 unless --T /
 then the default and the fastest at n = 2 and 8, and the forward at n = 2, 4, 8; the copy ceiling of X in the same
 run, per-kernel GPU times of the default and the fastest, and a last line naming the config to make default.
 ``--budget-s`` stops the sweep (not the final comparisons) when it has run that long.
+
+``--n 8`` (prepare, backward_prepare, backward_finish, head_backward): inputs with n streams and n's logits, each
+op's ``candidates(n)`` (built for n: ``python -m cakeops.bench.build_check --op mhc --candidates OPS --n N``
+compiles them all for sm_90 without a GPU); ``--budget-s`` then shares its seconds among the ops (the default of
+each op is always measured). Per-kernel GPU times are taken for the default and the fastest of each op.
 """
 import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,22 +30,26 @@ from .core import gbps, median_ms
 HP = (1e-5, 1e-6, 20)
 
 
-def _inputs(device, T: int, C: int):
+def _inputs(device, T: int, C: int, n: int = 4):
+    from ..meta.mhc_layout import n_logits
+
+    M = n_logits(n)
     g = torch.Generator(device=device).manual_seed(0)
-    X = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
-    fn = torch.randn(24, 4 * C, device=device, generator=g) / (4 * C) ** 0.5
+    X = torch.randn(T, n, C, device=device, generator=g).bfloat16()
+    fn = torch.randn(M, n * C, device=device, generator=g) / (n * C) ** 0.5
     scale = torch.tensor([1.0, 1.0, 3.0], device=device)
-    base = torch.randn(24, device=device, generator=g)
-    dY = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
+    base = torch.randn(M, device=device, generator=g)
+    dY = torch.randn(T, n, C, device=device, generator=g).bfloat16()
     B = torch.randn(T, C, device=device, generator=g).bfloat16()
     dU = torch.randn(T, C, device=device, generator=g).bfloat16()
     return X, fn, scale, base, dY, B, dU
 
 
-def _variants(config_class):
-    """The default (None: the launcher's own choice), then the config class's candidates."""
+def _variants(config_class, n: int = 4):
+    """The default (None: the launcher's own choice), then the config class's candidates for n streams (n = 4's
+    call stays ``candidates()``: StreamConfig and GatedHeadConfig take no n)."""
     yield None, "default"
-    for cfg in config_class.candidates():
+    for cfg in (config_class.candidates() if n == 4 else config_class.candidates(n)):
         yield cfg, None
 
 
@@ -84,33 +94,62 @@ def kernel_us(call, reps: int = 5) -> str:
     return " | ".join(f"{name[:28]} {us:.0f}" for name, us in kernel_times_us(call, reps).items() if us > 0.5)
 
 
-def _label(cfg):
+def _label(cfg, n: int = 4):
+    """The fields of ``cfg`` that differ from n's default (FinishConfig: its resolve(n))."""
     if cfg is None:
         return "(the default config)"
+    default = type(cfg)()
+    if n != 4 and hasattr(default, "for_streams"):
+        default = default.resolve(n)
     return " ".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                    if getattr(cfg, f.name) != f.default) or "(the default config)"
+                    if f.name != "streams" and getattr(cfg, f.name) != getattr(default, f.name)) \
+        or "(the default config)"
 
 
-def selected(variants, match: str = ""):
+def selected(variants, match: str = "", n: int = 4):
     """The default and the variants whose label contains ``match`` (all when empty): a short lease on a GPU
     measures the candidates it came for."""
     for cfg, name in variants:
-        if not match or name == "default" or match in _label(cfg):
+        if not match or name == "default" or match in _label(cfg, n):
             yield cfg, name
 
 
-def sweep(op, device, inputs, match: str = ""):
-    from .._triton import mhc_backward, mhc_prepare
+def _stats_for(cfg, X, fn, scale, base, stats):
+    """The forward record backward_finish under ``cfg`` replays: its kernel A runs the Sinkhorn on its own tile,
+    bitwise the forward's only when the forward's gates ran on that tile too (mhc_math.SINKHORN_TILE), so a
+    candidate with another tile gets the record of a forward on it (what making it default would take)."""
+    from .._triton import mhc_prepare
+    from .._triton.mhc_backward_finish import FinishConfig
 
+    resolved = (cfg or FinishConfig()).resolve(X.shape[1])
+    tile = (resolved.dlogits_block_t, resolved.dlogits_warps)
+    default = mhc_prepare.PrepareConfig()
+    if tile == (default.gates_block_t, default.gates_warps):
+        return stats
+    own = torch.empty_like(stats)
+    mhc_prepare.prepare(X, fn, scale, base, *HP, own, None,
+                        config=mhc_prepare.PrepareConfig(gates_block_t=tile[0], gates_warps=tile[1]))
+    return own
+
+
+def sweep(op, device, inputs, match: str = "", budget_s: float = float("inf")):
+    """The op's default and candidates for the inputs' n; the candidates stop after ``budget_s`` seconds. Per-kernel
+    GPU times of the default and of the fastest close the rows."""
+    import time
+
+    from .._triton import mhc_backward, mhc_prepare
+    from ..meta import mhc_layout
+
+    t_start = time.perf_counter()
     X, fn, scale, base, dY, B, dU = inputs
-    T, _, C = X.shape
-    stats = torch.empty(T, 64, device=device)
+    T, n, C = X.shape
+    stats = torch.empty(T, mhc_layout.stats_width(n), device=device)
     U = torch.empty(T, C, device=device, dtype=X.dtype)
     mhc_prepare.prepare(X, fn, scale, base, *HP, stats, U)
-    gs = torch.empty(T, 32, device=device)
+    gs = torch.empty(T, mhc_layout.grad_stats_width(n), device=device)
     dB = torch.empty_like(B)
     mhc_backward.backward_prepare(dY, B, X, stats, dB, gs)
-    variants = _variants(_config_classes()[op])
+    variants = _variants(_config_classes()[op], n)
     if op == "prepare":
         nbytes = X.nbytes + fn.nbytes + U.nbytes + stats.nbytes
 
@@ -141,28 +180,58 @@ def sweep(op, device, inputs, match: str = ""):
 
         def run(cfg):
             outs = (torch.empty_like(X), torch.empty_like(fn), torch.empty(3, device=device),
-                    torch.empty(24, device=device))
-            call = lambda: mhc_backward.backward_finish(X, dY, dU, fn, scale, base, stats, gs, *HP, *outs,  # noqa: E731
+                    torch.empty_like(base))
+            st = _stats_for(cfg, X, fn, scale, base, stats)
+            call = lambda: mhc_backward.backward_finish(X, dY, dU, fn, scale, base, st, gs, *HP, *outs,  # noqa: E731
                                                         config=cfg)
             call()
             return call, outs
-    rows, reference = [], None
-    for cfg, name in selected(variants, match):
+    rows, reference, calls = [], None, {}
+    for cfg, name in selected(variants, match, n):
+        if name != "default" and time.perf_counter() - t_start > budget_s:
+            print(f"{op}: budget of {budget_s:.0f} s spent, the remaining candidates are skipped", flush=True)
+            break
+        label = name or _label(cfg, n)
         try:
             call, outs = run(cfg)
             if reference is None:
                 reference = [t.clone() for t in outs]
             err = max(rel_err(o, r) for o, r in zip(outs, reference))
             ms = median_ms(call)
-            rows.append({"op": op, "variant": name or _label(cfg), "ms": ms, "gbps": gbps(nbytes, ms), "max_rel_diff": err,
-                         "kernels_us": kernel_us(call), "registers": kernel_regs(call)})
+            rows.append({"op": op, "n": n, "variant": label, "config": repr(cfg), "ms": ms, "gbps": gbps(nbytes, ms),
+                         "max_rel_diff": err, "registers": kernel_regs(call)})
+            _keep_call(calls, label, call, rows)
         except Exception as exc:  # a variant that does not compile (registers, shared memory) is reported, not fatal
-            rows.append({"op": op, "variant": name or _label(cfg), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            rows.append({"op": op, "n": n, "variant": label, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
         r = rows[-1]
-        print(f"{op:17s} {r['variant']:70s} " + (f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}"
-                                                 f"\n{'':19s}us: {r['kernels_us']}\n{'':19s}regs: {r['registers']}" if "ms" in r else r["error"]),
-              flush=True)
+        print(f"{op:17s} n={n} {r['variant']:70s} " + (
+            f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}\n{'':19s}regs: {r['registers']}"
+            if "ms" in r else r["error"]), flush=True)
+    _kernel_times(rows, calls)
     return rows
+
+
+def _keep_call(calls, label, call, rows):
+    """Keeps the calls (and with them their outputs: n = 8's dX is 1 GB at T = 16384) of the default and of the
+    fastest so far only: _kernel_times profiles those two."""
+    calls[label] = call
+    timed = [r for r in rows if "ms" in r and r["max_rel_diff"] <= 1e-2]
+    keep = {timed[0]["variant"], min(timed, key=lambda r: r["ms"])["variant"]} if timed else set()
+    for name in [k for k in calls if k not in keep]:
+        del calls[name]
+
+
+def _kernel_times(rows, calls):
+    """Per-kernel GPU times (torch.profiler) of the default and of the fastest variant within 1e-2 of it."""
+    timed = [r for r in rows if "ms" in r and r["max_rel_diff"] <= 1e-2]
+    if not timed:
+        return
+    best = min(timed, key=lambda r: r["ms"])
+    for r in [timed[0]] + ([best] if best is not timed[0] else []):
+        r["kernels_us"] = kernel_us(calls[r["variant"]])
+        tag = "default" if r is timed[0] else "fastest"
+        print(f"{r['op']:17s} n={r['n']} {tag} ({r['variant'][:60]}) {r['ms']:.3f} ms, us per kernel: "
+              f"{r['kernels_us']}", flush=True)
 
 
 def _as_code(cfg) -> str:
@@ -308,27 +377,35 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=16384, help="tokens (default 16384)")
     p.add_argument("--C", type=int, default=4096, help="hidden size per stream (default 4096)")
     p.add_argument("--match", default="", help="only the variants whose label contains this (and the default)")
-    p.add_argument("--budget-s", type=float, default=150.0, help="gated_head: stop the candidate sweep after this long")
+    p.add_argument("--n", type=int, default=4, help="residual streams of the mHC ops' inputs and candidates (2, 4, 8)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop the candidate sweeps after this many seconds (mHC ops: shared among them; "
+                        "gated_head: its own, 150 when not given)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune needs a CUDA device: it times launch shapes (nothing to learn from the CPU)")
         return 0
     device = torch.device("cuda")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    inputs = _inputs(device, args.T, args.C) if any(op != "gated_head" for op in ops) else None
+    inputs = _inputs(device, args.T, args.C, args.n) if any(op != "gated_head" for op in ops) else None
     rows = []
-    for op in ops:
+    deadline = None if args.budget_s is None else time.perf_counter() + args.budget_s
+    for k, op in enumerate(ops):
         if op == "gated_head":
-            rows += sweep_gated_head(device, args.T, args.C, args.match, args.budget_s)
-        else:
-            rows += sweep(op, device, inputs, args.match)
+            rows += sweep_gated_head(device, args.T, args.C, args.match,
+                                     150.0 if args.budget_s is None else args.budget_s)
+        else:  # an equal share of what is left for each op still to come
+            share = float("inf") if deadline is None else max(0.0, deadline - time.perf_counter()) / (len(ops) - k)
+            rows += sweep(op, device, inputs, args.match, share)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tune.json").write_text(json.dumps(rows, indent=1, default=str))
-    print("\nfastest per op (max rel diff vs the default <= 1e-2):")
+    print(f"\nfastest per op (max rel diff vs the default <= 1e-2), n={args.n} T={args.T} C={args.C}:")
     for op in dict.fromkeys(r["op"] for r in rows):
         ok = [r for r in rows if r["op"] == op and "ms" in r and r.get("max_rel_diff", 0.0) <= 1e-2]
+        default = next((r for r in ok if r["variant"] == "default"), None)
         for r in sorted(ok, key=lambda r: r["ms"])[:3]:
-            print(f"  {op:17s} {r['ms']:.3f} ms {r['gbps']:6.0f} GB/s  {r['variant']}")
+            gain = f" ({default['ms'] / r['ms']:.2f}x the default)" if default else ""
+            print(f"  {op:17s} {r['ms']:.3f} ms {r['gbps']:6.0f} GB/s{gain}  {r['variant']}")
     return 0
 
 
