@@ -181,7 +181,7 @@ def _wide_candidates(n: int):
     yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
-    yield F(dfn_block_c=128)
+    yield F(dfn_block_c=128)  # H200 bf16 2026-12-01: 7.92 -> 7.03 ms; fp32 X spills 2240 bytes (504 at 64)
     # A and B together, at the shapes above
     yield F(dlogits_block_t=4, dlogits_per_sm=14, block_c=16, warps=4, x_per_stream=False, per_sm=2)
 
@@ -191,6 +191,8 @@ def _wide_candidates(n: int):
 # = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
 # B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
 # one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
+# n = 8, kernel C: 128 columns measured faster on bf16 (H200, T = 16384, C = 4096, 2026-12-01: backward_finish
+# 7.92 -> 7.03 ms) but spill with fp32 X, and its workspace helpers know no dtype: left at 64 (a candidate).
 # n = 8, kernel A: 240 registers allow 8 programs of one warp per SM, and the scratch budget holds them all
 # (8 x 132 slots of 78 KB at iters = 20: 84 MB): 64 MB held it to 840 programs, 6.4 per SM, so at T = 16384
 # (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).

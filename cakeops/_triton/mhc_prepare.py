@@ -248,7 +248,7 @@ def _wide_candidates():
     tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers
     (106 KB of shared memory at 128 x 16: 2 programs / SM), column slices give the SMs programs to share."""
     for block_t, warps, stages, slices, presplit in (
-            (128, 8, 2, 1, True), (128, 8, 2, 2, True),      # 160 KB shared, 128 registers, 1 / SM
+            (64, 4, 3, 1, True), (128, 8, 2, 2, True),       # the default until 2026-12-01; 160 KB, 1 / SM
             (128, 8, 2, 1, False), (128, 8, 2, 2, False),    # 104 KB, 128 registers, 2 / SM
             (128, 8, 3, 2, False),                           # 200 KB, 1 / SM
             (256, 16, 2, 2, False),                          # 136 KB, 128 registers, 1 / SM
@@ -256,6 +256,21 @@ def _wide_candidates():
             (32, 4, 3, 1, True)):                            # 144 KB, 122 registers, 512 blocks
         yield PrepareConfig(block_t=block_t, block_c=16, num_warps=warps, num_stages=stages, slices=slices,
                             presplit=presplit)
+
+
+# The layer's projection at n = 8 where it differs from resolve's rules (which the gated head's projection, with
+# n logits instead of 2n + n^2, keeps): 128-token blocks of 8 warps and 2 stages. H200, bf16, T = 16384, C = 4096
+# (python -m cakeops.bench.tune --n 8, 2026-12-01): forward_prepare 1.515 -> 1.258 ms (the projection 1182 ->
+# ~900 us: each block re-reads fn's 80 x n*C hi / lo tiles from L2, so taller blocks re-read less).
+LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8, num_stages=2)}
+
+
+def layer_config(config: Optional[PrepareConfig], n: int, cuda: bool) -> PrepareConfig:
+    """The config forward_prepare / forward_stats run for n streams: the caller's, or n's layer default on a GPU
+    (the interpreter keeps resolve's small tiles)."""
+    if config is not None:
+        return config
+    return PrepareConfig(**LAYER_DEFAULTS.get(n, {})) if cuda else PrepareConfig()
 
 
 def workspace_regions(T: int, n: int, C: int, dtype: torch.dtype, cfg: PrepareConfig):
@@ -276,7 +291,7 @@ def workspace_bytes(X: torch.Tensor, config: Optional[PrepareConfig] = None) -> 
     T, n, C = X.shape
     if T == 0:
         return 0
-    return layout_bytes(workspace_regions(T, n, C, X.dtype, (config or PrepareConfig()).resolve(X)))
+    return layout_bytes(workspace_regions(T, n, C, X.dtype, layer_config(config, n, X.is_cuda).resolve(X)))
 
 
 def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Optional[PrepareConfig] = None) -> int:
@@ -287,7 +302,7 @@ def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Op
 
     if T == 0:
         return 0
-    base = config or PrepareConfig()
+    base = layer_config(config, n, device.type == "cuda")
     block = 64 if n > 4 else 128
     candidates = {T} | {block * k for k in range(1, min(cdiv(T, block), 257))}
     parts = max(workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n))[0][0]
@@ -312,7 +327,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    cfg = (config or PrepareConfig()).resolve(X)
+    cfg = layer_config(config, n, X.is_cuda).resolve(X)
     assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
     block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
     m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares

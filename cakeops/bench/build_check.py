@@ -96,13 +96,14 @@ def _as_gpu(sms: int):
         if name.startswith("cakeops._triton") and getattr(mod, "persistent_programs", None) is original:
             patched.append((mod, "persistent_programs", mod.persistent_programs))
             mod.persistent_programs = persistent_programs
-    resolve = mhc_prepare.PrepareConfig.resolve
+    resolve, layer_config = mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config
     mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(
         X.shape[0], X.shape[2], torch.device("meta"), True, n=X.shape[1], dtype=X.dtype)
+    mhc_prepare.layer_config = lambda config, n, cuda: layer_config(config, n, True)
     try:
         yield
     finally:
-        mhc_prepare.PrepareConfig.resolve = resolve
+        mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config = resolve, layer_config
         for mod, attr, value in patched:
             setattr(mod, attr, value)
 

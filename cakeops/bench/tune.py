@@ -207,8 +207,26 @@ def sweep(op, device, inputs, match: str = "", budget_s: float = float("inf")):
         print(f"{op:17s} n={n} {r['variant']:70s} " + (
             f"{r['ms']:.3f} ms {r['gbps']:6.0f} GB/s diff {r['max_rel_diff']:.1e}\n{'':19s}regs: {r['registers']}"
             if "ms" in r else r["error"]), flush=True)
+    _retime_default(rows, calls)
     _kernel_times(rows, calls)
     return rows
+
+
+def _retime_default(rows, calls):
+    """Times the default again after the candidates: the first timing of a sweep can run before the GPU's clocks
+    have settled (H200, T=8192 C=2048: backward_finish's default 0.447 ms first, its kernels 0.25 ms, every
+    candidate ~0.27). The row keeps the faster of the two; "ms_first" the first."""
+    timed = [r for r in rows if "ms" in r]
+    if not timed or timed[0]["variant"] not in calls:
+        return
+    first = timed[0]
+    again = median_ms(calls[first["variant"]])
+    first["ms_first"] = first["ms"]
+    if again < first["ms"]:
+        first["ms"] = again
+        first["gbps"] = first["gbps"] * first["ms_first"] / again
+    print(f"{first['op']:17s} n={first['n']} {first['variant']} timed again: {again:.3f} ms (first {first['ms_first']:.3f})",
+          flush=True)
 
 
 def _keep_call(calls, label, call, rows):
