@@ -178,6 +178,22 @@ def test_backward_finish_tune_variants(triton_kernels, gen, config):
     assert_finish_close(case.finish(config=config), case.reference_finish(), torch.bfloat16)
 
 
+@pytest.mark.parametrize("T, splits", [(70, None), (24, 2)])
+def test_dfn_on_bf16_pieces_of_dz(triton_kernels, gen, T, splits):
+    """Kernel C with dz split into bf16 hi + lo (FinishConfig.dfn_split_bf16, bf16 X): dfn within the pieces'
+    ~16 mantissa bits of the fp64 oracle (TF32 on a GPU has 10), everything else as the default computes it."""
+    case = Case(gen, T, 40, torch.bfloat16, 3)
+    config = dict(SMALL, dfn_splits=splits)
+    split = case.finish(config=K.FinishConfig(**config, dfn_split_bf16=True))
+    default = case.finish(config=K.FinishConfig(**config))
+    ref = case.reference_finish()
+    assert rel_err(split[1], ref[1]) <= (1e-2 if ON_GPU else 1e-4)
+    assert rel_err(split[1], default[1]) <= (1e-2 if ON_GPU else 1e-4)
+    for name, k in (("dX", 0), ("dscale", 2), ("dbase", 3)):
+        a, b = split[k], default[k]
+        assert torch.equal(a, b), f"{name}: the dfn kernel's arithmetic changed another output"
+
+
 def test_backward_finish_max_iters(triton_kernels, gen):
     """64 Sinkhorn iterations: the largest scratch, far from uniform logits, tiny eps."""
     case = Case(gen, 3, 8, torch.float32, 64, "default_eps")

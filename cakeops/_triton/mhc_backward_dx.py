@@ -74,11 +74,15 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
 @triton.jit
 def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0):
+                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0,
+                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
     C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
-    (the gated head's n), else the mHC layer's 2n + n^2."""
+    (the gated head's n), else the mHC layer's 2n + n^2.
+    SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split,
+    ~16 mantissa bits of dz against TF32's 10), instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD =
+    128) the GEMM has 4x n = 4's work per byte of X. The interpreter's bf16 dot is broken: FP32 dots there."""
     M = 2 * N + N * N if LOGITS == 0 else LOGITS
     c_blocks = tl.cdiv(C, BLOCK_C)
     i = tl.program_id(0) // c_blocks
@@ -94,7 +98,17 @@ def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
         dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
-        acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
+        if SPLIT_BF16:
+            dz_hi = dz_t.to(tl.bfloat16)
+            dz_lo = (dz_t - dz_hi.to(tl.float32)).to(tl.bfloat16)
+            if INTERPRET:
+                acc = tl.dot(dz_hi.to(tl.float32), x.to(tl.float32), acc)
+                acc = tl.dot(dz_lo.to(tl.float32), x.to(tl.float32), acc)
+            else:
+                acc = tl.dot(dz_hi, x, acc)
+                acc = tl.dot(dz_lo, x, acc)
+        else:
+            acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
     dst = m[:, None] * (N * C) + i * C + c[None, :]
     ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:

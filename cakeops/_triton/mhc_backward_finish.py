@@ -111,6 +111,7 @@ class FinishConfig:
     dfn_block_c: int = 256       # kernel C: columns of one stream per program
     dfn_warps: int = 4
     dfn_stages: Optional[int] = 3
+    dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
@@ -173,17 +174,18 @@ def _wide_candidates(n: int):
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
     yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
     yield F(dlogits_warps=2, dlogits_per_sm=6)     # A: 166 registers, 6 / SM of 2 warps
-    # B: 16 columns per stream (fn's [8, 128, 16] chunk is 64 KB, not 128): 2-3 programs of 4 warps per SM
-    yield F(block_c=16, warps=4, x_per_stream=False, per_sm=2)             # 128 registers, 76 KB shared, 2 / SM
+    # B: 16 columns per stream (fn's [8, 128, 16] chunk is 64 KB, not 128): 2-3 programs of 4 warps per SM (H200
+    # 2026-12-01: all slower, 10.5-12.6 ms against 7.9; two of them, and A + B together, left the list)
     yield F(block_c=16, warps=4, x_per_stream=False, stages=3, per_sm=2)   # 128 registers, 84 KB, 2 / SM
-    yield F(block_c=16, warps=4, x_per_stream=False, stages=1, per_sm=3)   # 128 registers, 72 KB, 3 / SM
     yield F(block_c=16, warps=4, stages=1, maxnreg=128, per_sm=3)          # capped at 128 without spills, 3 / SM
     yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
     yield F(dfn_block_c=128)  # H200 bf16 2026-12-01: 7.92 -> 7.03 ms; fp32 X spills 2240 bytes (504 at 64)
-    # A and B together, at the shapes above
-    yield F(dlogits_block_t=4, dlogits_per_sm=14, block_c=16, warps=4, x_per_stream=False, per_sm=2)
+    # kernel C on bf16 MMAs (dz split into hi / lo) instead of TF32 on x converted to FP32
+    yield F(dfn_split_bf16=True)
+    yield F(dfn_split_bf16=True, dfn_block_c=128)
+    yield F(dfn_split_bf16=True, dfn_block_c=128, dfn_warps=8, dfn_stages=3)
 
 
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
@@ -367,6 +369,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
         N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
+        SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16, INTERPRET=interpreting(),
         num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
     )
     if not atomic:
