@@ -181,26 +181,27 @@ def _wide_candidates(n: int):
     yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
-    yield F(dfn_block_c=128)  # H200 bf16 2026-12-01: 7.92 -> 7.03 ms; fp32 X spills 2240 bytes (504 at 64)
-    # kernel C on bf16 MMAs (dz split into hi / lo) instead of TF32 on x converted to FP32
-    yield F(dfn_split_bf16=True)
-    yield F(dfn_split_bf16=True, dfn_block_c=128)
-    yield F(dfn_split_bf16=True, dfn_block_c=128, dfn_warps=8, dfn_stages=3)
+    # kernel C: the default until 2026-12-01 (TF32 on x converted to FP32, 64 columns, 4 warps, 2 stages), and
+    # TF32 at today's tile
+    yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
+    yield F(dfn_split_bf16=False)
 
 
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
 # (triton 3.6) to keep n = 4's rows in flight without spills; not yet measured on a GPU. dpre: n * dpre_block_t
 # = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
 # B: fn's columns [8, 128, BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared:
-# one program per SM; 64 columns spill); kernel C: [128, BLOCK_C] accumulators, so 64 columns (124 registers).
-# n = 8, kernel C: 128 columns measured faster on bf16 (H200, T = 16384, C = 4096, 2026-12-01: backward_finish
-# 7.92 -> 7.03 ms) but spill with fp32 X, and its workspace helpers know no dtype: left at 64 (a candidate).
+# one program per SM; 64 columns spill).
+# n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
+# columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
+# backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills).
 # n = 8, kernel A: 240 registers allow 8 programs of one warp per SM, and the scratch budget holds them all
 # (8 x 132 slots of 78 KB at iters = 20: 84 MB): 64 MB held it to 840 programs, 6.4 per SM, so at T = 16384
 # (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
-    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dfn_block_c": 64, "dfn_stages": 2,
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1,
+        "dfn_block_c": 128, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
 
