@@ -29,4 +29,4 @@ def rmsnorm_bwd(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.T
                 g_residual: Optional[torch.Tensor], deterministic: bool):
     checks.rmsnorm_bwd("cakeops::rmsnorm_bwd", g, x, w, rstd, g_residual)
     T, H = x.shape
-    return torch.empty((T, H), dtype=x.dtype, device=x.device), torch.empty((H,), dtype=torch.float32, device=x.device)
+    return torch.empty((T, H), dtype=x.dtype, device=x.device), torch.empty((H,), dtype=w.dtype, device=x.device)

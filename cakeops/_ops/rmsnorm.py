@@ -110,7 +110,7 @@ def _add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
 
 def _rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
                  deterministic: bool) -> Tuple[Tensor, Tensor]:
-    return backward_impl(g, x, w, rstd, g_residual, deterministic)
+    return eager_backward(g, x, w, rstd, g_residual, deterministic)
 
 
 @torch.library.custom_op("cakeops::rmsnorm_fwd", mutates_args=())
@@ -131,7 +131,8 @@ def add_rmsnorm_fwd(x: Tensor, residual: Tensor, w: Tensor, eps: float,
 @torch.library.custom_op("cakeops::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
                 deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """dx (g_residual folded in, one rounding) and dw in FP32."""
+    """dx (g_residual folded in, one rounding) and dw in w's dtype (the FP32 sum rounded once, by the reduction
+    kernel itself: a compiled backward has no cast kernel after it)."""
     checks.rmsnorm_bwd("cakeops::rmsnorm_bwd", g, x, w, rstd, g_residual)
     return _rmsnorm_bwd(g, x, w, rstd, g_residual, deterministic)
 
