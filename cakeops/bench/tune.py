@@ -213,9 +213,9 @@ def sweep(op, device, inputs, match: str = "", budget_s: float = float("inf")):
 
 
 def _retime_default(rows, calls):
-    """Times the default again after the candidates: the first timing of a sweep can run before the GPU's clocks
-    have settled (H200, T=8192 C=2048: backward_finish's default 0.447 ms first, its kernels 0.25 ms, every
-    candidate ~0.27). The row keeps the faster of the two; "ms_first" the first."""
+    """Times the default again after the candidates: its first timing opens the sweep and can come out slow (H200,
+    T=8192 C=2048: backward_finish's default 0.447 ms first, its kernels 0.25 ms, every candidate 0.27-0.46: at
+    that size a call is host-bound and the host's speed drifts). The row keeps the faster; "ms_first" the first."""
     timed = [r for r in rows if "ms" in r]
     if not timed or timed[0]["variant"] not in calls:
         return
