@@ -62,9 +62,9 @@ def _model(X, fn, scale, base, w, gfn, gscale, gbase):
     return cake_mhc_train_gated_head(Y, gfn, gscale, gbase, rms_eps=1e-6, hc_eps=1e-6)
 
 
-def _inputs(seed):
+def _inputs(seed, n=4):
     g = torch.Generator().manual_seed(seed)
-    T, n, C = 24, 4, 64
+    T, C = 24, 64
     X = torch.randn(T, n, C, generator=g).bfloat16()
     fn = torch.randn(n * n + 2 * n, n * C, generator=g) / (n * C) ** 0.5
     scale = torch.tensor([0.5, 0.7, 1.3])
@@ -84,10 +84,11 @@ def _step(f, leaves, dY):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def test_inductor_calls_only_twins_and_matches_eager():
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_inductor_calls_only_twins_and_matches_eager(n):
     from torch._inductor.utils import run_and_get_code
 
-    leaves, dY = _inputs(torch.seed() % 2**31)
+    leaves, dY = _inputs(torch.seed() % 2**31, n)
     torch._dynamo.reset()
     compiled = torch.compile(_model, fullgraph=True)
     with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would lower nothing
