@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import PRE as _PRE, COMB as _COMB
+from .mhc_math import bf16_pieces, dot_bf16
 
 
 @triton.jit
@@ -12,7 +13,7 @@ def _dx_kernel(
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    X_PER_STREAM: tl.constexpr, SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    X_PER_STREAM: tl.constexpr,
 ):
     """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks).
 
@@ -20,8 +21,6 @@ def _dx_kernel(
     per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
     once per warp; the projection is one batched dot [N, BLOCK_T, M_PAD] @ [N, M_PAD, BLOCK_C] that takes the
     elementwise terms as its accumulator (H200, triton 3.6: 128 registers, no spill; 4 programs of 4 warps per SM).
-    SPLIT_BF16: fn and dz as bf16 hi + lo pieces, three bf16 MMAs (hi.hi + hi.lo + lo.hi, ~16 mantissa bits
-    against TF32's 10) instead of one TF32 MMA: n = 8's M_PAD = 128 makes that dot 4x n = 4's work per byte.
     """
     M = 2 * N + N * N
     i = tl.arange(0, N)[:, None, None]
@@ -31,11 +30,6 @@ def _dx_kernel(
     m_row = tl.arange(0, M_PAD)[None, :, None]
     m_col = tl.arange(0, M_PAD)[None, None, :]
     fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
-    fn_lo = fn_i
-    if SPLIT_BF16:  # split once per program: the pieces stay in registers for the whole token range
-        fn_hi = fn_i.to(tl.bfloat16)
-        fn_lo = (fn_i - fn_hi.to(tl.float32)).to(tl.bfloat16)
-        fn_i = fn_hi
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
@@ -45,19 +39,16 @@ def _dx_kernel(
         dz = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + m_col, mask=t_ok & (m_col < M), other=0.0),
                              (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
-        _dx_tile(X, DY, DU, STATS, DX, fn_i, fn_lo, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt,
-                 stride_dyi, stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, True,
-                 SPLIT_BF16, INTERPRET)
+        _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
+                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
 
 
 @triton.jit
-def _dx_tile(X, DY, DU, STATS, DX, fn_i, fn_lo, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt,
-             stride_dyi, stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
-             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True, SPLIT_BF16: tl.constexpr = False,
-             INTERPRET: tl.constexpr = False):
+def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
+             stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
+             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
     t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD].
-    SPLIT_BF16: fn_i / fn_lo are fn's bf16 hi / lo pieces and dz is split here (else fn_lo is unused).
     MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX, whose gates sit at PRE.
     Returns the FP32 x tile (the gated head reuses it for dfn)."""
     i = tl.arange(0, N)[:, None, None]
@@ -76,19 +67,7 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, fn_lo, dz, s, t64, t_ok, c, c_ok, strid
         for j in tl.static_range(N):
             dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
             dx += tl.load(s_row + _COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
-    if SPLIT_BF16:
-        dz_hi = dz.to(tl.bfloat16)
-        dz_lo = (dz - dz_hi.to(tl.float32)).to(tl.bfloat16)
-        if INTERPRET:  # the interpreter's bf16 dot is broken: the same pieces through FP32 dots
-            dx = tl.dot(dz_hi.to(tl.float32), fn_i.to(tl.float32), dx)
-            dx = tl.dot(dz_hi.to(tl.float32), fn_lo.to(tl.float32), dx)
-            dx = tl.dot(dz_lo.to(tl.float32), fn_i.to(tl.float32), dx)
-        else:
-            dx = tl.dot(dz_hi, fn_i, dx)
-            dx = tl.dot(dz_hi, fn_lo, dx)
-            dx = tl.dot(dz_lo, fn_i, dx)
-    else:
-        dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
+    dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
     return x
 
@@ -102,9 +81,9 @@ def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
     C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
     (the gated head's n), else the mHC layer's 2n + n^2.
-    SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split,
-    ~16 mantissa bits of dz against TF32's 10), instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD =
-    128) the GEMM has 4x n = 4's work per byte of X. The interpreter's bf16 dot is broken: FP32 dots there."""
+    SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split)
+    instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD = 128) the GEMM has 4x n = 4's work per byte
+    of X."""
     M = 2 * N + N * N if LOGITS == 0 else LOGITS
     c_blocks = tl.cdiv(C, BLOCK_C)
     i = tl.program_id(0) // c_blocks
@@ -121,14 +100,9 @@ def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
         if SPLIT_BF16:
-            dz_hi = dz_t.to(tl.bfloat16)
-            dz_lo = (dz_t - dz_hi.to(tl.float32)).to(tl.bfloat16)
-            if INTERPRET:
-                acc = tl.dot(dz_hi.to(tl.float32), x.to(tl.float32), acc)
-                acc = tl.dot(dz_lo.to(tl.float32), x.to(tl.float32), acc)
-            else:
-                acc = tl.dot(dz_hi, x, acc)
-                acc = tl.dot(dz_lo, x, acc)
+            dz_hi, dz_lo = bf16_pieces(dz_t)
+            acc = dot_bf16(dz_hi, x, acc, INTERPRET)
+            acc = dot_bf16(dz_lo, x, acc, INTERPRET)
         else:
             acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
     dst = m[:, None] * (N * C) + i * C + c[None, :]

@@ -107,7 +107,6 @@ class FinishConfig:
     per_sm: int = 4              # kernel B: (C chunks) x (token splits) ~ per_sm programs per SM
     splits: Optional[int] = None  # kernel B: token splits; None derives them from per_sm
     maxnreg: Optional[int] = None  # kernel B: register cap per thread (more resident programs, maybe spills)
-    split_bf16: bool = False     # kernel B with bf16 X: dz @ fn on bf16 hi / lo pieces (mhc_backward_dx.py)
     dfn_block_t: int = 64        # kernel C (dfn): tokens per step of the GEMM's K loop
     dfn_block_c: int = 256       # kernel C: columns of one stream per program
     dfn_warps: int = 4
@@ -182,10 +181,7 @@ def _wide_candidates(n: int):
     yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
-    # kernel B on bf16 pieces of dz and fn (three bf16 MMAs instead of one TF32): at the default tile (145
-    # registers, 152 KB shared), and at 16 columns, 4 warps, one stage (183 registers, 72 KB: 2 / SM)
-    yield F(split_bf16=True)
-    yield F(split_bf16=True, block_c=16, warps=4, stages=1, per_sm=2)
+    # (kernel B on bf16 hi / lo pieces of dz and fn, three bf16 MMAs: 5.85 ms against 5.01, H200 2026-12-01; gone)
     # kernel C: the default until 2026-12-01 (TF32 on x converted to FP32, 64 columns, 4 warps, 2 stages), and
     # TF32 at today's tile
     yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
@@ -370,8 +366,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, SPLIT_BF16=cfg.split_bf16 and X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(), num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+        X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
         X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),

@@ -346,7 +346,7 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
         dz = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + m_col, mask=t_ok & (m_col < N), other=0.0),
                              (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + N, mask=t_ok, other=0.0)
-        x = _dx_tile(X, DY, DY, STATS, DX, fn_i, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, 0, 0, stride_dyt,
+        x = _dx_tile(X, DY, DY, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, 0, 0, stride_dyt,
                      _WIDTH, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, False)
         if FUSED_DFN:
             t_col = block * BLOCK_T + tt_col

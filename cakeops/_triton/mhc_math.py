@@ -20,6 +20,22 @@ def sigmoid(z):
 
 
 @triton.jit
+def bf16_pieces(v):
+    """FP32 v as bf16 (hi, lo), hi = round(v), lo = round(v - hi): ~16 mantissa bits together, so two bf16 MMAs
+    against a bf16 operand (exact in bf16) beat one TF32 MMA in accuracy and, on an H200, in speed."""
+    hi = v.to(tl.bfloat16)
+    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def dot_bf16(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b with bf16 operands. The interpreter's bf16 dot is broken: the same values through an FP32 dot."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def softmax_rows(a):
     """Softmax over the last axis of [BLOCK_T, N, N]."""
     e = tl.exp(a - tl.max(a, axis=2)[:, :, None])

@@ -35,7 +35,7 @@ from .mhc_columns import (
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
-from .mhc_math import SINKHORN_TILE, sigmoid, sinkhorn
+from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
 
 
@@ -75,14 +75,9 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
                     w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + (i * C + c)[:, None], mask=w_mask,
                                    other=0.0)
                 else:
-                    w_hi = w.to(tl.bfloat16)
-                    w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
-                if INTERPRET:
-                    acc = tl.dot(xf, w_hi.to(tl.float32), acc)
-                    acc = tl.dot(xf, w_lo.to(tl.float32), acc)
-                else:
-                    acc = tl.dot(x, w_hi, acc)
-                    acc = tl.dot(x, w_lo, acc)
+                    w_hi, w_lo = bf16_pieces(w)
+                acc = dot_bf16(x, w_hi, acc, INTERPRET)
+                acc = dot_bf16(x, w_lo, acc, INTERPRET)
             else:
                 acc = tl.dot(xf, w, acc, input_precision=PRECISION)
     return acc, tl.sum(sum_sq, axis=1)
@@ -94,10 +89,9 @@ def _split_fn_kernel(FN, OUT, M, K, stride_fn, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = k < K
-    w = tl.load(FN + row * stride_fn + k, mask=ok, other=0.0)
-    hi = w.to(tl.bfloat16)
+    hi, lo = bf16_pieces(tl.load(FN + row * stride_fn + k, mask=ok, other=0.0))
     tl.store(OUT + row * K + k, hi, mask=ok)
-    tl.store(OUT + (M + row) * K + k, (w - hi.to(tl.float32)).to(tl.bfloat16), mask=ok)
+    tl.store(OUT + (M + row) * K + k, lo, mask=ok)
 
 
 @triton.jit
