@@ -185,15 +185,6 @@ MHC_OP_KERNELS = {
 }
 
 
-def mhc_config_classes():
-    """The launch config class of each mHC op (the tuner sweeps their ``candidates(n)``)."""
-    from .._triton.mhc_backward_finish import FinishConfig
-    from .._triton.mhc_backward_prepare import BackwardPrepareConfig
-    from .._triton.mhc_prepare import PrepareConfig
-
-    return {"prepare": PrepareConfig, "backward_prepare": BackwardPrepareConfig, "backward_finish": FinishConfig}
-
-
 def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
     """A callable that runs an mHC layer's launchers (prepare, finish, backward_prepare, backward_finish) on meta
     tensors. ``config``: a PrepareConfig, BackwardPrepareConfig or FinishConfig, given to its op's launcher (the
@@ -202,8 +193,10 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
     from .._triton import mhc_backward, mhc_forward
     from ..meta import mhc_layout
 
+    from .tune import config_classes
+
     def cfg_for(op):
-        return config if isinstance(config, mhc_config_classes()[op]) else None
+        return config if isinstance(config, config_classes()[op]) else None
 
     def call():
         m = torch.device("meta")
@@ -253,9 +246,11 @@ def check_candidates(ops, ns, T: int = 16384, C: int = 4096, dtype_name: str = "
                      sms: int = 132, out=print, sha: bool = False) -> bool:
     """Every config the tuner sweeps for these mHC ops at these n (the default and ``candidates(n)``), each
     compiling only its op's kernels; True when every one fits the target's shared memory."""
+    from .tune import config_classes
+
     ok = True
     for op in ops:
-        cls = mhc_config_classes()[op]
+        cls = config_classes()[op]
         for n in ns:
             for cfg in [None] + list(cls.candidates(n)):
                 out(f"{op} n={n}: {cfg if cfg is not None else 'default'}")

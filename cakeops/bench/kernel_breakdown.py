@@ -53,13 +53,6 @@ def kind_of(name: str, ours: Dict[str, str]) -> str:
     return "other"
 
 
-def _device_us(event) -> float:
-    for attr in ("device_time", "cuda_time"):  # renamed between torch releases
-        if hasattr(event, attr):
-            return float(getattr(event, attr))
-    return 0.0
-
-
 def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[str, float], Dict[str, float]]:
     """(ms of GPU time per kind, ms per cakeops kernel, largest first) in one call of ``step`` (after it has been
     warmed up). The first also has "kernels" (the kinds' sum), "wall" (the step between two synchronizations) and
@@ -68,6 +61,8 @@ def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[st
     import time
 
     from torch.profiler import ProfilerActivity, profile
+
+    from .profile import _self_time_us
 
     ours = cakeops_kernels()
     totals: Dict[str, float] = dict.fromkeys(KINDS, 0.0)
@@ -78,12 +73,12 @@ def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[st
         step()
         torch.cuda.synchronize(device)
         wall = 1e3 * (time.perf_counter() - t)
-    for event in prof.events():
+    for event in prof.key_averages():  # one entry per kernel name, its calls' device time summed
         if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
-            ms = _device_us(event) / 1e3
-            totals[kind_of(event.name, ours)] += ms
-            if event.name in ours:
-                per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
+            ms = _self_time_us(event, True) / 1e3
+            totals[kind_of(event.key, ours)] += ms
+            if event.key in ours:
+                per_kernel[event.key] = ms
     totals["kernels"] = sum(totals[k] for k in KINDS)
     totals["wall"] = wall
     totals["idle"] = max(0.0, wall - totals["kernels"])

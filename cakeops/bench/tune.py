@@ -53,7 +53,7 @@ def _variants(config_class, n: int = 4):
         yield cfg, None
 
 
-def _config_classes():
+def config_classes():
     from .._triton.mhc_backward_finish import FinishConfig
     from .._triton.mhc_backward_prepare import BackwardPrepareConfig
     from .._triton.mhc_prepare import PrepareConfig
@@ -135,8 +135,6 @@ def _stats_for(cfg, X, fn, scale, base, stats):
 def sweep(op, device, inputs, match: str = "", budget_s: float = float("inf")):
     """The op's default and candidates for the inputs' n; the candidates stop after ``budget_s`` seconds. Per-kernel
     GPU times of the default and of the fastest close the rows."""
-    import time
-
     from .._triton import mhc_backward, mhc_prepare
     from ..meta import mhc_layout
 
@@ -149,7 +147,7 @@ def sweep(op, device, inputs, match: str = "", budget_s: float = float("inf")):
     gs = torch.empty(T, mhc_layout.grad_stats_width(n), device=device)
     dB = torch.empty_like(B)
     mhc_backward.backward_prepare(dY, B, X, stats, dB, gs)
-    variants = _variants(_config_classes()[op], n)
+    variants = _variants(config_classes()[op], n)
     if op == "prepare":
         nbytes = X.nbytes + fn.nbytes + U.nbytes + stats.nbytes
 
