@@ -8,6 +8,7 @@ the whole batch and compares losses and every gradient after each step.
 import copy
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def _twin_step(twin, tokens, bf16):
     return torch.stack(losses).mean(), [sum(gs) / WORLD for gs in zip(*grads)]
 
 
-def _worker(rank, scenario, init_file, backend):
+def _worker(rank, init_file, scenario, backend):
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -95,6 +96,35 @@ def _worker(rank, scenario, init_file, backend):
         dist.destroy_process_group()
 
 
+def _spawn(worker, *args):
+    """worker(rank, init_file, *args) on WORLD processes.
+
+    Every worker ends with a barrier after its last check, then destroy_process_group; `_finishing` writes a file
+    when the worker returns. In CI (torch 2.11, gloo) a rank once died of SIGABRT with no Python error ("terminate
+    called without an active exception": a C++ thread object destroyed while running, as at the interpreter's
+    exit). A rank that dies of a signal after its file exists passed the barrier, so every rank had passed every
+    check: the test warns and passes. One that dies before fails the test, saying how far the ranks got.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(_finishing, args=(worker, tmp, args), nprocs=WORLD, join=True)
+        except mp.ProcessExitedException as e:
+            finished = [r for r in range(WORLD) if os.path.exists(os.path.join(tmp, f"finished-{r}"))]
+            if e.signal_name is None:
+                raise
+            if e.error_index not in finished:
+                raise AssertionError(f"rank {e.error_index} died of {e.signal_name} before it finished "
+                                     f"(ranks finished: {finished})") from e
+            warnings.warn(f"rank {e.error_index} passed every check, then died of {e.signal_name} on its way out "
+                          f"(torch {torch.__version__})")
+
+
+def _finishing(rank, worker, tmp, args):
+    worker(rank, os.path.join(tmp, "init"), *args)
+    with open(os.path.join(tmp, f"finished-{rank}"), "w"):
+        pass
+
+
 def _backend():
     backend = os.environ.get("CAKEOPS_DIST_BACKEND", "gloo")
     if backend == "nccl" and torch.cuda.device_count() < WORLD:
@@ -105,9 +135,7 @@ def _backend():
 @pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 @pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2-bf16", "fsdp2-ac"])
 def test_two_processes_train_like_one(scenario):
-    backend = _backend()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(scenario, os.path.join(tmp, "init"), backend), nprocs=WORLD, join=True)
+    _spawn(_worker, scenario, _backend())
 
 
 # ---- sequence parallel: the residual stream as a DTensor sharded on tokens ----
@@ -170,9 +198,23 @@ def _dtensor_worker(rank, init_file, backend):
 
 @pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 def test_sequence_parallel_dtensor_matches_one_device():
-    backend = _backend()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dtensor_worker, args=(os.path.join(tmp, "init"), backend), nprocs=WORLD, join=True)
+    _spawn(_dtensor_worker, _backend())
+
+
+def _abort_on_exit(rank, init_file, when):
+    import atexit
+
+    if rank == 1 and when == "before":
+        os.abort()
+    if rank == 1 and when == "at exit":
+        atexit.register(os.abort)
+
+
+def test_spawn_tells_a_crash_on_the_way_out_from_a_crash_before_the_checks_end():
+    with pytest.warns(UserWarning, match=r"rank 1 passed every check, then died of SIGABRT"):
+        _spawn(_abort_on_exit, "at exit")
+    with pytest.raises(AssertionError, match=r"rank 1 died of SIGABRT before it finished"):
+        _spawn(_abort_on_exit, "before")
 
 
 def test_readme_torchrun_command_trains():
