@@ -295,3 +295,36 @@ def test_kernel_a_at_n8_keeps_its_programs_resident():
     slot = (2 * 20 - 1) * cfg.dlogits_block_t * 64 * 4
     assert cfg.dlogits_per_sm * 132 * slot <= cfg.dlogits_scratch_bytes
     assert F.FinishConfig().resolve(4).dlogits_scratch_bytes == F.SCRATCH_BUDGET_BYTES
+
+
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dfn_folded_into_the_dx_kernel(triton_kernels, n, deterministic, dtype):
+    """FinishConfig(dfn_in_dx=True): kernel B accumulates dfn per C chunk and token split (several of each, tails
+    in both) instead of kernel C; every output against the fp64 math, dX and the parameter gradients bitwise the
+    default's where only dfn's kernel differs (dX, dscale, dbase)."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    X, fn, scale, base, B, dY, dU = _inputs(n, T=37, dtype=dtype)
+    T, _, C = X.shape
+    stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)[1]
+    gs64 = ref.backward_prepare(*_f64(dY, B, X), stats64)[1]
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats64, gs64, *HP_ARGS)
+    small = dict(block_c=16, splits=3, dpre_block_c=16)
+
+    def run(**fields):
+        outs = [torch.full_like(X, float("nan")), torch.full_like(fn, float("nan")),
+                torch.full((3,), float("nan"), device=DEVICE), torch.full_like(base, float("nan"))]
+        F.backward_finish(X, dY, dU, fn, scale, base, stats64.float(), gs64.float(), *HP_ARGS, *outs,
+                          deterministic=deterministic, config=F.FinishConfig.for_streams(n, **small, **fields))
+        return outs
+
+    folded, default = run(dfn_in_dx=True), run()
+    grad_tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for name, g, w in zip(("dX", "dfn", "dscale", "dbase"), folded, want):
+        assert rel_err(g, w) <= grad_tol, (name, rel_err(g, w))
+    assert rel_err(folded[1], default[1]) <= (1e-2 if ON_GPU else 1e-5)
+    if deterministic:
+        for name, k in (("dX", 0), ("dscale", 2), ("dbase", 3)):
+            assert torch.equal(folded[k], default[k]), name

@@ -9,13 +9,14 @@ from .mhc_math import bf16_pieces, dot_bf16
 
 @triton.jit
 def _dx_kernel(
-    X, DY, DU, FN, STATS, DZ, DX,
+    X, DY, DU, FN, STATS, DZ, DX, DFN,
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    X_PER_STREAM: tl.constexpr,
+    X_PER_STREAM: tl.constexpr, FUSED_DFN: tl.constexpr = False, ATOMIC: tl.constexpr = False,
 ):
-    """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks).
+    """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks), and (FUSED_DFN)
+    kernel C's dfn columns of the chunk over the same range (``_dfn_2d_step``; DFN as kernel C's).
 
     Tiles are [N, BLOCK_T, BLOCK_C], the stream axis first: the compiler puts one warp on each stream, so the
     per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
@@ -30,6 +31,7 @@ def _dx_kernel(
     m_row = tl.arange(0, M_PAD)[None, :, None]
     m_col = tl.arange(0, M_PAD)[None, None, :]
     fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
+    dfn = tl.zeros([M_PAD, N * BLOCK_C if FUSED_DFN else 16], dtype=tl.float32)
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
@@ -41,6 +43,52 @@ def _dx_kernel(
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
                  stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
+        if FUSED_DFN:
+            dfn = _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N, M_PAD, BLOCK_T, BLOCK_C,
+                               PRECISION)
+    if FUSED_DFN:
+        _dfn_2d_store(DFN, dfn, C, M, N, M_PAD, BLOCK_C, ATOMIC)
+
+
+@triton.jit
+def _dfn_2d_columns(C, N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The (stream, column) of each column k of a chunk's [BLOCK_T, N*BLOCK_C] x tile: stream k // BLOCK_C, column
+    program_id(0)*BLOCK_C + k % BLOCK_C; dfn's column for it is stream*C + column."""
+    k = tl.arange(0, N * BLOCK_C)
+    return k // BLOCK_C, tl.program_id(0) * BLOCK_C + k % BLOCK_C
+
+
+@triton.jit
+def _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N: tl.constexpr, M_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
+    """kernel C's product folded into a dX kernel: dfn [M_PAD, N*BLOCK_C] += dz^T @ x over one token block, x the
+    chunk's columns of all N streams as one 2-D tile [BLOCK_T, N*BLOCK_C] loaded again in X's dtype (the dX tile
+    just read it: L1 / L2, not DRAM) in the layout the dot wants, one MMA chain instead of a batched dot on the
+    dX kernel's FP32 x tile (whose layout change cost that kernel 168 registers in the gated head)."""
+    stream, col = _dfn_2d_columns(C, N, BLOCK_C)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t64 = t.to(tl.int64)
+    m = tl.arange(0, M_PAD)
+    dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
+    x = tl.load(X + t64[:, None] * stride_xt + stream[None, :] * stride_xi + col[None, :],
+                mask=t_ok[:, None] & (col < C)[None, :], other=0.0)
+    return tl.dot(dz_t, x.to(tl.float32), dfn, input_precision=PRECISION)
+
+
+@triton.jit
+def _dfn_2d_store(DFN, dfn, C, M, N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                  ATOMIC: tl.constexpr):
+    """A dX program's dfn columns into dfn [M, N*C] itself (ATOMIC) or its token split's row of the
+    [splits, M, N*C] partials."""
+    stream, col = _dfn_2d_columns(C, N, BLOCK_C)
+    m = tl.arange(0, M_PAD)
+    dst = m[:, None] * (N * C) + stream[None, :] * C + col[None, :]
+    ok = (m < M)[:, None] & (col < C)[None, :]
+    if ATOMIC:
+        tl.atomic_add(DFN + dst, dfn, mask=ok)
+    else:
+        tl.store(DFN + tl.program_id(1).to(tl.int64) * (M * N * C) + dst, dfn, mask=ok)
 
 
 @triton.jit

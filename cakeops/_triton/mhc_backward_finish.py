@@ -19,6 +19,9 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
+``FinishConfig(dfn_in_dx=True)`` folds C into B another way: one 2-D dot per token block on x loaded again in
+X's dtype (from L1, not DRAM), no layout change of B's tiles (sm_90 build at n = 4: 128 registers at 32 columns);
+a tuner candidate until timed on a GPU.
 Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
@@ -114,6 +117,8 @@ class FinishConfig:
     dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
+    dfn_in_dx: bool = False      # kernel C folded into B (one 2-D dot per token block on x reloaded from L1:
+    #                              a pass over X fewer; mhc_backward_dx._dfn_2d_step). Not yet timed on a GPU
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
@@ -163,6 +168,10 @@ class FinishConfig:
         # kernel A: programs per SM; kernel C (dfn): column width
         yield FinishConfig(dlogits_per_sm=8)
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
+        # kernel C folded into B, a pass over X fewer (triton 3.6 sm_90 builds at n = 4: 128 registers at 32
+        # columns, with 2 or 3 stages; 80 at 16; 209 at 64)
+        for block_c, per_sm, stages in ((32, 4, 2), (32, 4, 3), (16, 6, 2), (64, 2, 2)):
+            yield FinishConfig(dfn_in_dx=True, block_c=block_c, per_sm=per_sm, stages=stages)
 
 
 def _wide_candidates(n: int):
@@ -186,6 +195,8 @@ def _wide_candidates(n: int):
     # TF32 at today's tile
     yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
     yield F(dfn_split_bf16=False)
+    # kernel C folded into B (TF32 there; 254 registers, one program per SM as B alone)
+    yield F(dfn_in_dx=True)
 
 
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
@@ -226,10 +237,15 @@ def _split(device, T: int, C: int, block_t: int, block_c: int, per_sm: int, spli
     return _Split(block_c, columns, cdiv(token_blocks, blocks_per_split), blocks_per_split)
 
 
+def _dfn_split(device, T: int, C: int, cfg: "FinishConfig", n: int) -> _Split:
+    """Kernel C's grid: (n x C chunks) x (token splits)."""
+    return _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
+
+
 class _Plan(NamedTuple):
     dlogits_programs: int
     dx: _Split
-    dfn: _Split
+    dfn: _Split           # kernel C's grid; B's (dx) when B computes dfn
     dpre_block_c: int
     dpre_cols: int        # columns per slice of the dpre kernel
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
@@ -245,7 +261,7 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     a_programs = max(1, min(persistent_programs(device, cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
                             cfg.dlogits_scratch_bytes // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
-    dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
+    dfn = dx if cfg.dfn_in_dx else _dfn_split(device, T, C, cfg, n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
     dpre_cols = cdiv(cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
@@ -276,11 +292,16 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
     iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
     worst = max((_plan(T, C, it, device, False, cfg, n) for it in iters_range), key=lambda p: sum(p.sizes))
     numel = sum(worst.sizes)
-    if deterministic:
-        dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
-        token_blocks = cdiv(T, cfg.dfn_block_t)
-        requested = cfg.dfn_splits or max(1, persistent_programs(device, dfn.columns * token_blocks,
-                                                                   cfg.dfn_per_sm) // dfn.columns)
+    if deterministic:  # the grid computing dfn: kernel C's, or B's
+        if cfg.dfn_in_dx:
+            grid = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
+            block_t, per_sm, splits = cfg.block_t, cfg.per_sm, cfg.splits
+        else:
+            grid = _dfn_split(device, T, C, cfg, n)
+            block_t, per_sm, splits = cfg.dfn_block_t, cfg.dfn_per_sm, cfg.dfn_splits
+        token_blocks = cdiv(T, block_t)
+        requested = splits or max(1, persistent_programs(device, grid.columns * token_blocks, per_sm)
+                                  // grid.columns)
         numel += min(requested, token_blocks) * M * n * C
     return numel * 4
 
@@ -361,19 +382,21 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     if not atomic:  # right away, while A's partials are in L2
         reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
     _dx_kernel[(plan.dx.columns, plan.dx.splits)](
-        X, dY, dU, fn, stats, dz, dX,
+        X, dY, dU, fn, stats, dz, dX, dfn if atomic else dfn_part,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic, num_warps=cfg.warps,
+        **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
-    _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
-        X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-        N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
-        SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16, INTERPRET=interpreting(),
-        num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
-    )
+    if not cfg.dfn_in_dx:
+        _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
+            X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+            N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
+            BLOCK_C=plan.dfn.block_c, SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16,
+            INTERPRET=interpreting(), num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+        )
     if not atomic:
         width = M * n * C
         sum_partials(dfn_part.reshape(plan.dfn.splits, width), dfn.view(width), accumulate, max_block=1024,

@@ -271,7 +271,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--sm", type=int, default=90)
     p.add_argument("--sms", type=int, default=132, help="multiprocessors the grids are sized for (H200: 132)")
-    p.add_argument("--config", default=None, help="a GatedHeadConfig(...) expression")
+    p.add_argument("--config", default=None,
+                   help="a GatedHeadConfig(...) expression; with --op mhc a PrepareConfig, BackwardPrepareConfig or "
+                        "FinishConfig (...) one")
     p.add_argument("--all-candidates", action="store_true", help="the default and every GatedHeadConfig candidate")
     p.add_argument("--atomic", action="store_true", help="the non-deterministic backward")
     p.add_argument("--kernels", default="", help="only these kernels (comma-separated names)")
@@ -282,7 +284,8 @@ def main(argv=None) -> int:
                    help="print each kernel's PTX hash (a change that must leave a build alone: compare before/after)")
     args = p.parse_args(argv)
     from .._triton.mhc_gated_head import GatedHeadConfig
-    from .._triton.mhc_prepare import PrepareConfig  # noqa: F401  (for --config expressions)
+    from .._triton.mhc_prepare import PrepareConfig
+    from .tune import config_classes
 
     ns = [int(v) for v in args.n.split(",")]
     shapes = [(args.T, n, args.C) for n in ns]
@@ -290,7 +293,8 @@ def main(argv=None) -> int:
         shapes += [(4096, n, 4096 // n * 2) for n in ns]
     configs = [None]
     if args.config:
-        configs = [eval(args.config, {"GatedHeadConfig": GatedHeadConfig, "PrepareConfig": PrepareConfig})]
+        names = {cls.__name__: cls for cls in (GatedHeadConfig, PrepareConfig, *config_classes().values())}
+        configs = [eval(args.config, names)]
     if args.all_candidates:
         configs = [None] + list(GatedHeadConfig.candidates())
     kernels = {k.strip() for k in args.kernels.split(",") if k.strip()} or None
