@@ -328,3 +328,17 @@ def test_dfn_folded_into_the_dx_kernel(triton_kernels, n, deterministic, dtype):
     if deterministic:
         for name, k in (("dX", 0), ("dscale", 2), ("dbase", 3)):
             assert torch.equal(folded[k], default[k]), name
+
+
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("T", [2048, 4096, 8192, 16384])
+def test_layer_projection_gives_every_multiprocessor_a_program(monkeypatch, n, T):
+    """The projection's column slices follow the token block that runs: n = 8's layer default (128-token blocks)
+    at T = 8192 once got the slices of 64-token blocks, 64 programs for an H200's 132 multiprocessors."""
+    from cakeops._triton import mhc_prepare
+
+    monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm=2: min(work, 132 * per_sm))
+    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
+    cfg = mhc_prepare.layer_config(None, n, True).resolve_for(T, 4096, torch.device("cuda"), True, n=n)
+    programs = -(-T // cfg.block_t) * cfg.slices
+    assert 132 * 0.9 <= programs <= 2 * 132 and cfg.slices <= 8, (cfg.block_t, cfg.slices)

@@ -211,9 +211,10 @@ class PrepareConfig:
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
-            block_t = 64 if wide else 128
+            # the slices follow the block size that runs: a given one (n = 8's layer default is 128) or the rule's
+            block_t = self.block_t or (64 if wide else 128)
             slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
-            while block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
+            while self.block_t is None and block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
             # fp32 / fp16 X: fn's tiles stay FP32 (no bf16 pieces), twice the bytes a stage: 3 stages need
             # 336 KB (n = 4) / 280 KB (n = 8) of shared memory, sm_90 has 227 KB; 2 fit
@@ -255,7 +256,9 @@ def _wide_candidates():
 # The layer's projection at n = 8 where it differs from resolve's rules (which the gated head's projection, with
 # n logits instead of 2n + n^2, keeps): 128-token blocks of 8 warps and 2 stages. H200, bf16, T = 16384, C = 4096
 # (python -m cakeops.bench.tune --n 8, 2026-12-01): forward_prepare 1.515 -> 1.258 ms (the projection 1182 ->
-# ~900 us: each block re-reads fn's 80 x n*C hi / lo tiles from L2, so taller blocks re-read less).
+# ~900 us: each block re-reads fn's 80 x n*C hi / lo tiles from L2, so taller blocks re-read less). Until the
+# fourth session of that day resolve_for sized the column slices for 64-token blocks, so at T <= 8192 these ran
+# on 64 programs (half an H200): the T = 8192 row's 571 GB/s against 982 at T = 16384.
 LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8, num_stages=2)}
 
 
