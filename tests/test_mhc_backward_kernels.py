@@ -369,3 +369,18 @@ def test_gpu_real_size(gen, dtype):
     fast = case.finish(deterministic=False)
     for a, b in zip(fast[1:], outs[1:]):
         assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_workspace_max_serves_every_smaller_token_count_on_a_132_sm_gpu(monkeypatch, n):
+    """backward_finish_workspace_bytes_max(T) holds every call of T' <= T tokens on an H200 (132 SMs, no GPU
+    needed: sizes only). The dpre partials are [slices, T', n] with more column slices at small T' (fewer token
+    blocks than 2 programs per SM), so their largest size is not at T' = T."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    monkeypatch.setattr(F, "persistent_programs", lambda device, work, per_sm=2: max(1, min(work, 132 * per_sm)))
+    device, C = torch.device("cuda"), 4096
+    for T in (100, 2080, 4096, 9000):
+        cap = F.backward_finish_workspace_bytes_max(T, C, device, sinkhorn_iters=20, n=n)
+        for t in sorted({1, 15, 16, 17, T // 3, T // 2, T - 1, T} | set(range(16, T + 1, 16))):
+            assert 4 * F.backward_finish_workspace_numel(t, C, 20, device, n=n) <= cap, (T, t)

@@ -95,7 +95,8 @@ class FinishConfig:
     2026-11-29 and 2026-12-01; docs/perf.md), measured on sm_90 only; token splits and program counts follow the
     GPU's multiprocessor count (``_plan``). ``candidates`` is what ``python -m cakeops.bench.tune --ops
     backward_finish`` sweeps."""
-    dpre_slices: int = 1         # dpre kernel: column slices per token block
+    dpre_slices: Optional[int] = None  # dpre kernel: column slices per token block; None: 1, or more when T has
+    #                                    fewer token blocks than 2 programs per SM (at most 8; not yet timed)
     dpre_block_t: int = 32       # dpre kernel: tokens per program
     dpre_block_c: int = 128      # dpre kernel: columns per chunk
     dpre_warps: int = 4
@@ -165,6 +166,8 @@ class FinishConfig:
         for block_c, warps, per_sm, stages in ((64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3), (32, 4, 6, 2),
                                                (32, 4, 8, 2), (128, 8, 2, 2)):
             yield FinishConfig(block_c=block_c, warps=warps, per_sm=per_sm, stages=stages)
+        # the dpre pass on one column slice at any T (the default until the fourth session of 2026-12-01)
+        yield FinishConfig(dpre_slices=1)
         # kernel A: programs per SM; kernel C (dfn): column width
         yield FinishConfig(dlogits_per_sm=8)
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
@@ -237,6 +240,24 @@ def _split(device, T: int, C: int, block_t: int, block_c: int, per_sm: int, spli
     return _Split(block_c, columns, cdiv(token_blocks, blocks_per_split), blocks_per_split)
 
 
+def _dpre_slices(T: int, C: int, device, cfg: "FinishConfig") -> int:
+    """The dpre pass's column slices: the config's, or (None) enough for 2 programs per SM when T has few token
+    blocks (small T), as the projection splits its columns; at most 8 and one chunk each."""
+    if cfg.dpre_slices is not None:
+        return max(1, cfg.dpre_slices)
+    fill = persistent_programs(device, 1 << 30, per_sm=2) // cdiv(T, cfg.dpre_block_t)
+    return max(1, min(8, fill, cdiv(C, max(16, min(cfg.dpre_block_c, next_power_of_2(C))))))
+
+
+def _dpre_rows_max(T: int, C: int, device, cfg: "FinishConfig") -> int:
+    """The largest slices * T' over T' <= T (the dpre partials' rows): slices shrink as T' grows, so not at T
+    itself when T has few token blocks; they change only at whole token blocks."""
+    block = cfg.dpre_block_t
+    many = persistent_programs(device, 1 << 30, per_sm=2)  # from this many token blocks on: one slice
+    sizes = {T} | {block * k for k in range(1, min(cdiv(T, block), many) + 1)}
+    return max(_dpre_slices(t, C, device, cfg) * t for t in sizes if t <= T)
+
+
 def _dfn_split(device, T: int, C: int, cfg: "FinishConfig", n: int) -> _Split:
     """Kernel C's grid: (n x C chunks) x (token splits)."""
     return _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
@@ -263,7 +284,7 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = dx if cfg.dfn_in_dx else _dfn_split(device, T, C, cfg, n)
     dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
-    dpre_cols = cdiv(cdiv(C, max(1, cfg.dpre_slices)), dpre_block_c) * dpre_block_c
+    dpre_cols = cdiv(cdiv(C, _dpre_slices(T, C, device, cfg)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
              dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n)
     return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
@@ -282,8 +303,9 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
                                         sinkhorn_iters: Optional[int] = None,
                                         config: Optional[FinishConfig] = None, n: int = layout.N_STREAMS) -> int:
     """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C, n streams, on ``device``
-    (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn partials grows with T;
-    the dfn partials' effective split count is at most min(requested splits, token blocks), both monotone."""
+    (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn and dpre partials grows
+    with T; the dfn partials' effective split count is at most min(requested splits, token blocks), both monotone;
+    the dpre partials' largest size over T' <= T is ``_dpre_rows_max``'s."""
     if T == 0:
         return 0
     device = torch.device(device)
@@ -291,7 +313,7 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
     M = layout.n_logits(n)
     iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
     worst = max((_plan(T, C, it, device, False, cfg, n) for it in iters_range), key=lambda p: sum(p.sizes))
-    numel = sum(worst.sizes)
+    numel = sum(worst.sizes) - worst.sizes[-1] + _dpre_rows_max(T, C, device, cfg) * n  # dpre: see _dpre_rows_max
     if deterministic:  # the grid computing dfn: kernel C's, or B's
         if cfg.dfn_in_dx:
             grid = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
