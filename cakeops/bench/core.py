@@ -146,10 +146,15 @@ def host_time_per_call(runs: Mapping[str, Callable[[], Any]], calls: int, reps: 
     """Host time per call in ``unit``s of a second (1e3: ms), read from ``clock``: one list of ``reps`` values
     per path, the paths alternating rep by rep (a shared host's speed drifts). Each path runs 3 times first
     (compile, caches, allocator warm). On a GPU each rep keeps the device busy (``torch.cuda._sleep``) while the
-    ``calls`` calls are issued, so the clock measures issuing only."""
-    for run in runs.values():
-        for _ in range(3):
-            run()
+    ``calls`` calls are issued, so the clock measures issuing only. Compiled paths compile with Inductor's caches
+    off: its on-disk cache knows a graph's cakeops ops by name only, so a graph cached by another cakeops version
+    would be what is measured (seen on a CPU: a cached graph that called the checked ops, not the unchecked twins)."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for run in runs.values():
+            for _ in range(3):
+                run()
     if on_gpu:
         torch.cuda.synchronize()
     times: Dict[str, List[float]] = {name: [] for name in runs}
