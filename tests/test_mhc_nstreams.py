@@ -342,3 +342,33 @@ def test_layer_projection_gives_every_multiprocessor_a_program(monkeypatch, n, T
     cfg = mhc_prepare.layer_config(None, n, True).resolve_for(T, 4096, torch.device("cuda"), True, n=n)
     programs = -(-T // cfg.block_t) * cfg.slices
     assert 132 * 0.9 <= programs <= 2 * 132 and cfg.slices <= 8, (cfg.block_t, cfg.slices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
+    """FinishConfig(split_logits=True): kernel B's 80 logits as a 64-wide and a 16-wide dot (not one padded to
+    128), tails in tokens and columns; every output against the fp64 math, dX within rounding of the default's,
+    the parameter gradients bitwise (kernel B writes none of them)."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    n = 8
+    assert F._logit_split(mhc_layout.n_logits(n), F.FinishConfig(split_logits=True)) == 64
+    X, fn, scale, base, B, dY, dU = _inputs(n, T=37, dtype=dtype)
+    stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)[1]
+    gs64 = ref.backward_prepare(*_f64(dY, B, X), stats64)[1]
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats64, gs64, *HP_ARGS)
+
+    def run(**fields):
+        outs = [torch.full_like(X, float("nan")), torch.full_like(fn, float("nan")),
+                torch.full((3,), float("nan"), device=DEVICE), torch.full_like(base, float("nan"))]
+        F.backward_finish(X, dY, dU, fn, scale, base, stats64.float(), gs64.float(), *HP_ARGS, *outs,
+                          config=F.FinishConfig.for_streams(n, block_c=16, splits=3, **fields))
+        return outs
+
+    split, default = run(split_logits=True), run()
+    grad_tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for name, g, w in zip(("dX", "dfn", "dscale", "dbase"), split, want):
+        assert rel_err(g, w) <= grad_tol, (name, rel_err(g, w))
+    assert rel_err(split[0], default[0]) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    for name, k in (("dfn", 1), ("dscale", 2), ("dbase", 3)):
+        assert torch.equal(split[k], default[k]), name

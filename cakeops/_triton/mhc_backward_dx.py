@@ -14,6 +14,7 @@ def _dx_kernel(
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     X_PER_STREAM: tl.constexpr, FUSED_DFN: tl.constexpr = False, ATOMIC: tl.constexpr = False,
+    M_SPLIT: tl.constexpr = 0,
 ):
     """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks), and (FUSED_DFN)
     kernel C's dfn columns of the chunk over the same range (``_dfn_2d_step``; DFN as kernel C's).
@@ -22,15 +23,23 @@ def _dx_kernel(
     per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
     once per warp; the projection is one batched dot [N, BLOCK_T, M_PAD] @ [N, M_PAD, BLOCK_C] that takes the
     elementwise terms as its accumulator (H200, triton 3.6: 128 registers, no spill; 4 programs of 4 warps per SM).
+    M_SPLIT > 0: the logits as two dots, [0, M_SPLIT) and the 16 after it, instead of one padded to M_PAD (n = 8:
+    80 logits as 64 + 16 instead of 128: fn's columns held in registers and the dots' work 5/8 of the padded).
     """
     M = 2 * N + N * N
+    M_MAIN: tl.constexpr = M_SPLIT if M_SPLIT > 0 else M_PAD
     i = tl.arange(0, N)[:, None, None]
     tt = tl.arange(0, BLOCK_T)[None, :, None]
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c < C
-    m_row = tl.arange(0, M_PAD)[None, :, None]
-    m_col = tl.arange(0, M_PAD)[None, None, :]
-    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
+    m_row = tl.arange(0, M_MAIN)[None, :, None]
+    m_col = tl.arange(0, M_MAIN)[None, None, :]
+    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_MAIN, BLOCK_C]
+    r_row = M_MAIN + tl.arange(0, 16)[None, :, None]
+    r_col = M_MAIN + tl.arange(0, 16)[None, None, :]
+    fn_r = fn_i
+    if M_SPLIT > 0:
+        fn_r = tl.load(FN + r_row * stride_fn + i * C + c, mask=(r_row < M) & c_ok, other=0.0)  # [N, 16, BLOCK_C]
     dfn = tl.zeros([M_PAD, N * BLOCK_C if FUSED_DFN else 16], dtype=tl.float32)
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
@@ -39,10 +48,15 @@ def _dx_kernel(
         t64 = t.to(tl.int64)
         # dz once per token block, broadcast over the streams (a load per stream cost B 2-3%, H200)
         dz = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + m_col, mask=t_ok & (m_col < M), other=0.0),
-                             (N, BLOCK_T, M_PAD))
+                             (N, BLOCK_T, M_MAIN))
+        dz_r = dz
+        if M_SPLIT > 0:
+            dz_r = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + r_col, mask=t_ok & (r_col < M), other=0.0),
+                                   (N, BLOCK_T, 16))
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
-                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
+                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, True, fn_r, dz_r,
+                 M_SPLIT > 0)
         if FUSED_DFN:
             dfn = _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N, M_PAD, BLOCK_T, BLOCK_C,
                                PRECISION)
@@ -94,10 +108,12 @@ def _dfn_2d_store(DFN, dfn, C, M, N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C:
 @triton.jit
 def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
              stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
-             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
+             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True, fn_r=None, dz_r=None,
+             SECOND_DOT: tl.constexpr = False):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
     t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD].
     MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX, whose gates sit at PRE.
+    SECOND_DOT: the projection's remaining logits as a second dot, dz_r [N, BLOCK_T, 16] @ fn_r [N, 16, BLOCK_C].
     Returns the FP32 x tile (the gated head reuses it for dfn)."""
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
@@ -116,6 +132,8 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
             dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
             dx += tl.load(s_row + _COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
     dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
+    if SECOND_DOT:
+        dx = tl.dot(dz_r, fn_r, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
     return x
 

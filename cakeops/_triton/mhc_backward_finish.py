@@ -118,6 +118,8 @@ class FinishConfig:
     dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
+    split_logits: bool = False   # kernel B: the logits as a power-of-2 dot and a 16-wide one when padding to
+    #                              M_PAD wastes more (n = 8: 64 + 16 for 80, not 128). Not yet timed on a GPU
     dfn_in_dx: bool = False      # kernel C folded into B (one 2-D dot per token block on x reloaded from L1:
     #                              a pass over X fewer; mhc_backward_dx._dfn_2d_step). Not yet timed on a GPU
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
@@ -186,11 +188,8 @@ def _wide_candidates(n: int):
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
     yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
     yield F(dlogits_warps=2, dlogits_per_sm=6)     # A: 166 registers, 6 / SM of 2 warps
-    # B: 16 columns per stream (fn's [8, 128, 16] chunk is 64 KB, not 128): 2-3 programs of 4 warps per SM (H200
-    # 2026-12-01: all slower, 10.5-12.6 ms against 7.9; two of them, and A + B together, left the list)
-    yield F(block_c=16, warps=4, x_per_stream=False, stages=3, per_sm=2)   # 128 registers, 84 KB, 2 / SM
-    yield F(block_c=16, warps=4, stages=1, maxnreg=128, per_sm=3)          # capped at 128 without spills, 3 / SM
-    yield F(block_c=16, warps=4, stages=1, per_sm=3)                       # 168 registers, 3 / SM
+    # (B at 16 columns per stream, fn's [8, 128, 16] chunk, 2-3 programs of 4 warps per SM: all slower on the H200,
+    # 2026-12-01, 10.5-12.6 ms against 7.9; they left the list for the split-logits ones below)
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
     # (kernel B on bf16 hi / lo pieces of dz and fn, three bf16 MMAs: 5.85 ms against 5.01, H200 2026-12-01; gone)
@@ -200,6 +199,13 @@ def _wide_candidates(n: int):
     yield F(dfn_split_bf16=False)
     # kernel C folded into B (TF32 there; 254 registers, one program per SM as B alone)
     yield F(dfn_in_dx=True)
+    # B's 80 logits as 64 + 16 (fn's columns 5/8 of the padded 128): 165 registers and 101 KB at the default
+    # shape; 128 and 96 KB with one stage (2 programs of 8 warps per SM); 4 warps: 168, 2 / SM; 16 columns and
+    # 4 warps: 128, 49 KB, 4 / SM
+    yield F(split_logits=True)
+    yield F(split_logits=True, stages=1, per_sm=2)
+    yield F(split_logits=True, warps=4, per_sm=2)
+    yield F(split_logits=True, block_c=16, warps=4, per_sm=4)
 
 
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
@@ -256,6 +262,15 @@ def _dpre_rows_max(T: int, C: int, device, cfg: "FinishConfig") -> int:
     many = persistent_programs(device, 1 << 30, per_sm=2)  # from this many token blocks on: one slice
     sizes = {T} | {block * k for k in range(1, min(cdiv(T, block), many) + 1)}
     return max(_dpre_slices(t, C, device, cfg) * t for t in sizes if t <= T)
+
+
+def _logit_split(M: int, cfg: "FinishConfig") -> int:
+    """Kernel B's M_SPLIT: 0 (one dot over M_PAD logits) unless ``split_logits`` and a power-of-2 dot plus a
+    16-wide one cover M with less padding (n = 8: 64 + 16 = 80 against 128; n = 4's 24 pads to 32 either way)."""
+    main = 1 << (M.bit_length() - 1)
+    if not cfg.split_logits or main == M or M - main > 16 or main < 16 or main + 16 >= next_power_of_2(M):
+        return 0
+    return main
 
 
 def _dfn_split(device, T: int, C: int, cfg: "FinishConfig", n: int) -> _Split:
@@ -409,7 +424,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic, num_warps=cfg.warps,
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic, M_SPLIT=_logit_split(M, cfg),
+        num_warps=cfg.warps,
         **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     if not cfg.dfn_in_dx:
