@@ -352,7 +352,9 @@ def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
     from cakeops._triton import mhc_backward_finish as F
 
     n = 8
-    assert F._logit_split(mhc_layout.n_logits(n), F.FinishConfig(split_logits=True)) == 64
+    from cakeops._triton.mhc_columns import logits_split
+
+    assert [logits_split(k) for k in (2, 4, 8)] == [0, 0, 64]
     X, fn, scale, base, B, dY, dU = _inputs(n, T=37, dtype=dtype)
     stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)[1]
     gs64 = ref.backward_prepare(*_f64(dY, B, X), stats64)[1]
@@ -372,3 +374,29 @@ def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
     assert rel_err(split[0], default[0]) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
     for name, k in (("dfn", 1), ("dscale", 2), ("dbase", 3)):
         assert torch.equal(split[k], default[k]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_projection_with_the_logits_split_at_n8(triton_kernels, dtype):
+    """PrepareConfig(split_logits=True): the projection's 80 logits as a 64-wide and a 16-wide product on the same
+    x tiles, with column slices and tails; the record against the fp64 math and within rounding of the default's,
+    U too (it reads the gates the record holds)."""
+    from cakeops._triton.mhc_prepare import PrepareConfig, prepare
+
+    n = 8
+    X, fn, scale, base, *_ = _inputs(n, T=37, C=72, dtype=dtype)
+    U64, stats64 = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+
+    def run(**fields):
+        stats = torch.full((X.shape[0], mhc_layout.stats_width(n)), float("nan"), device=DEVICE)
+        U = torch.full((X.shape[0], X.shape[2]), float("nan"), device=DEVICE, dtype=dtype)
+        cfg = PrepareConfig(block_t=16, block_c=16, num_warps=4, slices=2, **fields)
+        prepare(X, fn, scale, base, *HP_ARGS, stats, U, config=cfg)
+        return U, stats
+
+    (U, stats), (U0, stats0) = run(split_logits=True), run()
+    out_tol = 4e-3 if dtype == torch.bfloat16 else 1e-3
+    assert rel_err(stats, stats64) <= 1e-3 and rel_err(U, U64) <= out_tol
+    assert rel_err(stats, stats0) <= 1e-5 and rel_err(U, U0) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    L = mhc_layout.layout_for(n)
+    assert (stats[:, L.STATS_USED:] == 0).all()

@@ -39,7 +39,7 @@ from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
-from .mhc_columns import logits_pad
+from .mhc_columns import logits_pad, logits_split
 from .mhc_math import SINKHORN_TILE
 from .partials import sum_partials
 
@@ -264,15 +264,6 @@ def _dpre_rows_max(T: int, C: int, device, cfg: "FinishConfig") -> int:
     return max(_dpre_slices(t, C, device, cfg) * t for t in sizes if t <= T)
 
 
-def _logit_split(M: int, cfg: "FinishConfig") -> int:
-    """Kernel B's M_SPLIT: 0 (one dot over M_PAD logits) unless ``split_logits`` and a power-of-2 dot plus a
-    16-wide one cover M with less padding (n = 8: 64 + 16 = 80 against 128; n = 4's 24 pads to 32 either way)."""
-    main = 1 << (M.bit_length() - 1)
-    if not cfg.split_logits or main == M or M - main > 16 or main < 16 or main + 16 >= next_power_of_2(M):
-        return 0
-    return main
-
-
 def _dfn_split(device, T: int, C: int, cfg: "FinishConfig", n: int) -> _Split:
     """Kernel C's grid: (n x C chunks) x (token splits)."""
     return _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
@@ -424,8 +415,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic, M_SPLIT=_logit_split(M, cfg),
-        num_warps=cfg.warps,
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic,
+        M_SPLIT=logits_split(n) if cfg.split_logits else 0, num_warps=cfg.warps,
         **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     if not cfg.dfn_in_dx:
