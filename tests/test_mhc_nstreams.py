@@ -346,9 +346,9 @@ def test_layer_projection_gives_every_multiprocessor_a_program(monkeypatch, n, T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
-    """FinishConfig(split_logits=True): kernel B's 80 logits as a 64-wide and a 16-wide dot (not one padded to
-    128), tails in tokens and columns; every output against the fp64 math, dX within rounding of the default's,
-    the parameter gradients bitwise (kernel B writes none of them)."""
+    """FinishConfig(split_logits=True): kernels B's and C's 80 logits as a 64-wide and a 16-wide product (not one
+    padded to 128), tails in tokens and columns; every output against the fp64 math, dX and dfn within rounding
+    of the default's, dscale and dbase bitwise (kernel A's, unchanged)."""
     from cakeops._triton import mhc_backward_finish as F
 
     n = 8
@@ -364,7 +364,8 @@ def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
         outs = [torch.full_like(X, float("nan")), torch.full_like(fn, float("nan")),
                 torch.full((3,), float("nan"), device=DEVICE), torch.full_like(base, float("nan"))]
         F.backward_finish(X, dY, dU, fn, scale, base, stats64.float(), gs64.float(), *HP_ARGS, *outs,
-                          config=F.FinishConfig.for_streams(n, block_c=16, splits=3, **fields))
+                          config=F.FinishConfig.for_streams(n, block_c=16, splits=3, dfn_block_c=16, dfn_splits=2,
+                                                            **fields))
         return outs
 
     split, default = run(split_logits=True), run()
@@ -372,7 +373,8 @@ def test_kernel_b_with_the_logits_split_at_n8(triton_kernels, dtype):
     for name, g, w in zip(("dX", "dfn", "dscale", "dbase"), split, want):
         assert rel_err(g, w) <= grad_tol, (name, rel_err(g, w))
     assert rel_err(split[0], default[0]) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
-    for name, k in (("dfn", 1), ("dscale", 2), ("dbase", 3)):
+    assert rel_err(split[1], default[1]) <= (1e-2 if ON_GPU else 1e-5)
+    for name, k in (("dscale", 2), ("dbase", 3)):
         assert torch.equal(split[k], default[k]), name
 
 

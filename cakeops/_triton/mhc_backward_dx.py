@@ -142,35 +142,60 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
 def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0,
-                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False, M_SPLIT: tl.constexpr = 0):
     """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
     C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
     (the gated head's n), else the mHC layer's 2n + n^2.
     SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split)
     instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD = 128) the GEMM has 4x n = 4's work per byte
-    of X."""
+    of X. M_SPLIT > 0: the logits as rows [0, M_SPLIT) and the 16 after, two products on the same x tile (n = 8:
+    64 + 16 rows for 80 logits, not 128)."""
     M = 2 * N + N * N if LOGITS == 0 else LOGITS
+    M_MAIN: tl.constexpr = M_SPLIT if M_SPLIT > 0 else M_PAD
     c_blocks = tl.cdiv(C, BLOCK_C)
     i = tl.program_id(0) // c_blocks
     c = (tl.program_id(0) % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.arange(0, M_PAD)
+    m = tl.arange(0, M_MAIN)
+    m_r = M_SPLIT + tl.arange(0, 16)
     tt = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([M_PAD, BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([M_MAIN, BLOCK_C], dtype=tl.float32)
+    acc_r = tl.zeros([16, BLOCK_C], dtype=tl.float32)
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
         dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
+        dz_r = dz_t
+        if M_SPLIT > 0:
+            dz_r = tl.load(DZ + t64[None, :] * M_PAD + m_r[:, None], mask=t_ok[None, :] & (m_r < M)[:, None],
+                           other=0.0)
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
-        if SPLIT_BF16:
-            dz_hi, dz_lo = bf16_pieces(dz_t)
-            acc = dot_bf16(dz_hi, x, acc, INTERPRET)
-            acc = dot_bf16(dz_lo, x, acc, INTERPRET)
-        else:
-            acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
+        acc = _dz_t_dot(dz_t, x, acc, PRECISION, SPLIT_BF16, INTERPRET)
+        if M_SPLIT > 0:
+            acc_r = _dz_t_dot(dz_r, x, acc_r, PRECISION, SPLIT_BF16, INTERPRET)
+    _dfn_rows_store(DFN, acc, m, i, c, C, M, N, ATOMIC)
+    if M_SPLIT > 0:
+        _dfn_rows_store(DFN, acc_r, m_r, i, c, C, M, N, ATOMIC)
+
+
+@triton.jit
+def _dz_t_dot(dz_t, x, acc, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += dz_t @ x: as bf16 hi + lo pieces of dz_t against x as loaded (SPLIT_BF16), else TF32 on FP32 x."""
+    if SPLIT_BF16:
+        dz_hi, dz_lo = bf16_pieces(dz_t)
+        acc = dot_bf16(dz_hi, x, acc, INTERPRET)
+        acc = dot_bf16(dz_lo, x, acc, INTERPRET)
+    else:
+        acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _dfn_rows_store(DFN, acc, m, i, c, C, M, N: tl.constexpr, ATOMIC: tl.constexpr):
+    """Kernel C's rows m of dfn at stream i's columns c: into dfn itself (ATOMIC) or its token split's partials."""
     dst = m[:, None] * (N * C) + i * C + c[None, :]
     ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:

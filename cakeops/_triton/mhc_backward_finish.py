@@ -118,8 +118,8 @@ class FinishConfig:
     dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
-    split_logits: bool = False   # kernel B: the logits as a power-of-2 dot and a 16-wide one when padding to
-    #                              M_PAD wastes more (n = 8: 64 + 16 for 80, not 128). Not yet timed on a GPU
+    split_logits: bool = False   # kernels B and C: the logits as a power-of-2 product and a 16-wide one when
+    #                              padding to M_PAD wastes more (n = 8: 64 + 16 for 80, not 128). Not yet timed
     dfn_in_dx: bool = False      # kernel C folded into B (one 2-D dot per token block on x reloaded from L1:
     #                              a pass over X fewer; mhc_backward_dx._dfn_2d_step). Not yet timed on a GPU
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
@@ -424,7 +424,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
             BLOCK_C=plan.dfn.block_c, SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16,
-            INTERPRET=interpreting(), num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+            INTERPRET=interpreting(), M_SPLIT=logits_split(n) if cfg.split_logits else 0,
+            num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
         )
     if not atomic:
         width = M * n * C
