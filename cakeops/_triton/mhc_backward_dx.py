@@ -94,15 +94,9 @@ def _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N: tl.constex
 def _dfn_2d_store(DFN, dfn, C, M, N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
                   ATOMIC: tl.constexpr):
     """A dX program's dfn columns into dfn [M, N*C] itself (ATOMIC) or its token split's row of the
-    [splits, M, N*C] partials."""
+    [splits, M, N*C] partials: kernel C's store, each column with its own stream."""
     stream, col = _dfn_2d_columns(C, N, BLOCK_C)
-    m = tl.arange(0, M_PAD)
-    dst = m[:, None] * (N * C) + stream[None, :] * C + col[None, :]
-    ok = (m < M)[:, None] & (col < C)[None, :]
-    if ATOMIC:
-        tl.atomic_add(DFN + dst, dfn, mask=ok)
-    else:
-        tl.store(DFN + tl.program_id(1).to(tl.int64) * (M * N * C) + dst, dfn, mask=ok)
+    _dfn_rows_store(DFN, dfn, tl.arange(0, M_PAD), stream[None, :], col, C, M, N, ATOMIC)
 
 
 @triton.jit
@@ -195,7 +189,8 @@ def _dz_t_dot(dz_t, x, acc, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, I
 
 @triton.jit
 def _dfn_rows_store(DFN, acc, m, i, c, C, M, N: tl.constexpr, ATOMIC: tl.constexpr):
-    """Kernel C's rows m of dfn at stream i's columns c: into dfn itself (ATOMIC) or its token split's partials."""
+    """Kernel C's rows m of dfn at stream i's columns c (i a scalar, or [1, len(c)]: a stream per column): into dfn
+    itself (ATOMIC) or its token split's partials."""
     dst = m[:, None] * (N * C) + i * C + c[None, :]
     ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:

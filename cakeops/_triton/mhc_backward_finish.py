@@ -252,7 +252,11 @@ def _dpre_slices(T: int, C: int, device, cfg: "FinishConfig") -> int:
     if cfg.dpre_slices is not None:
         return max(1, cfg.dpre_slices)
     fill = persistent_programs(device, 1 << 30, per_sm=2) // cdiv(T, cfg.dpre_block_t)
-    return max(1, min(8, fill, cdiv(C, max(16, min(cfg.dpre_block_c, next_power_of_2(C))))))
+    return max(1, min(8, fill, cdiv(C, _dpre_block_c(C, cfg))))
+
+
+def _dpre_block_c(C: int, cfg: "FinishConfig") -> int:
+    return max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
 
 
 def _dpre_rows_max(T: int, C: int, device, cfg: "FinishConfig") -> int:
@@ -289,7 +293,7 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
                             cfg.dlogits_scratch_bytes // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
     dfn = dx if cfg.dfn_in_dx else _dfn_split(device, T, C, cfg, n)
-    dpre_block_c = max(16, min(cfg.dpre_block_c, next_power_of_2(C)))
+    dpre_block_c = _dpre_block_c(C, cfg)
     dpre_cols = cdiv(cdiv(C, _dpre_slices(T, C, device, cfg)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
              dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n)

@@ -284,7 +284,6 @@ def main(argv=None) -> int:
                    help="print each kernel's PTX hash (a change that must leave a build alone: compare before/after)")
     args = p.parse_args(argv)
     from .._triton.mhc_gated_head import GatedHeadConfig
-    from .._triton.mhc_prepare import PrepareConfig
     from .tune import config_classes
 
     ns = [int(v) for v in args.n.split(",")]
@@ -293,7 +292,7 @@ def main(argv=None) -> int:
         shapes += [(4096, n, 4096 // n * 2) for n in ns]
     configs = [None]
     if args.config:
-        names = {cls.__name__: cls for cls in (GatedHeadConfig, PrepareConfig, *config_classes().values())}
+        names = {cls.__name__: cls for cls in (GatedHeadConfig, *config_classes().values())}
         configs = [eval(args.config, names)]
     if args.all_candidates:
         configs = [None] + list(GatedHeadConfig.candidates())
