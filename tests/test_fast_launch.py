@@ -3,6 +3,7 @@
 ``kernel[grid](...)`` hands it (checked against Triton's JIT path with a stand-in driver, in a subprocess without
 the interpreter). Under the interpreter the launchers take ``kernel[grid]``: the positional form binds as the
 keyword form did."""
+import inspect
 import itertools
 import os
 import random
@@ -161,5 +162,89 @@ def test_cached_route_launches_as_triton_does():
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["CAKEOPS_FAST_LAUNCH"] = "1"
     done = subprocess.run([sys.executable, "-c", _ROUTE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "routes ok" in done.stdout
+
+
+def _mhc_kernels():
+    from cakeops._triton import mhc_backward_dx, mhc_backward_finish, mhc_prepare, mhc_streams
+    return [mhc_backward_dx._dx_kernel, mhc_prepare._project_kernel, mhc_streams._finish_kernel,
+            mhc_backward_finish._params_reduce_kernel]
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_keyword_launch_binds_as_triton_does(which):
+    """``fast(kernel)[grid](*args, **kwargs)``: positional prefix, the rest by name, defaults applied -- the same
+    arguments, in the same order, as Triton's own binder."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = JITFunction(getattr(_mhc_kernels()[which], "fn", _mhc_kernels()[which]))  # the interpreter's too
+    params = list(kernel.signature.parameters.values())
+    rng = random.Random(which)
+    t = torch.zeros(8)
+    for split in range(len(params) + 1):
+        values = {p.name: (t if p.annotation is inspect.Parameter.empty and not _is_constexpr(kernel, p.name) and
+                           rng.random() < 0.5 else rng.choice([1, 16, 48]))
+                  for p in params}
+        # leave out some defaulted parameters so their defaults apply
+        names = [p.name for p in params]
+        positional = [values[n] for n in names[:split]]
+        keywords = {n: values[n] for n in names[split:]
+                    if params[names.index(n)].default is inspect.Parameter.empty or rng.random() < 0.5}
+        ours = fast_launch._make_binder(kernel)(*positional, **keywords)
+        theirs = create_function_from_signature(kernel.signature, kernel.params,
+                                                make_backend(GPUTarget("cuda", 90, 32)))(*positional, **keywords)[0]
+        assert len(ours) == len(theirs) == len(params)
+        for a, b in zip(ours, theirs.values()):
+            assert a is b or a == b
+
+
+def _is_constexpr(kernel, name):
+    return any(p.name == name and p.is_constexpr for p in kernel.params)
+
+
+_MHC_ROUTE_SCRIPT = textwrap.dedent('''
+    import collections, torch
+    from cakeops.bench import host
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops._triton import fast_launch
+    assert fast_launch._ENABLED, "fast launch disabled"
+    calls = collections.defaultdict(list)
+
+    def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
+        calls[name].append((gx, gy, gz, stream, function, metadata, tuple(
+            (a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+
+    with fake_driver(launcher):
+        layer = host.paths(40, 48, torch.device("cpu"))["eager"]
+        for _ in range(2):  # first: Triton's JIT path (kept in the cache); second: the cached route
+            layer()
+    routes = {k.kernel.__name__: len(k.routes) for k in fast_launch._FAST.values()}
+    for name, launches in calls.items():
+        assert len(launches) % 2 == 0 and routes.get(name), (name, len(launches), routes)
+        half = len(launches) // 2
+        assert launches[:half] == launches[half:], name
+    # launch options are part of the key: another num_stages is another route (and another compiled kernel)
+    from cakeops._triton.partials import _sum_partials_kernel
+    part, out = torch.zeros(3, 64), torch.zeros(64)
+    with fake_driver(launcher):
+        for stages in (2, 3, 2):
+            fast_launch.fast(_sum_partials_kernel)[(1,)](part, out, 3, 64, 64, ACCUMULATE=False, BLOCK_P=4,
+                                                         BLOCK=64, num_warps=4, num_stages=stages)
+    assert len(fast_launch.fast(_sum_partials_kernel).routes) >= 2
+    print("routes ok", sorted(calls))
+''')
+
+
+def test_mhc_layer_launches_take_the_cached_route_as_triton_does():
+    """An mHC layer's forward + backward twice under a stand-in driver: every kernel's second launch (cached
+    route, keyword call form) hands the launcher exactly what Triton's path handed it the first time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["CAKEOPS_FAST_LAUNCH"] = "1"
+    done = subprocess.run([sys.executable, "-c", _MHC_ROUTE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "routes ok" in done.stdout

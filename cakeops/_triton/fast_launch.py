@@ -17,11 +17,14 @@ not apply: the first call of a key (Triton compiles or loads it, and we keep wha
 installed (profilers such as proton see every launch as before), pre-run hooks on the kernel, and
 ``CAKEOPS_FAST_LAUNCH=0``.
 
-Callers pass every argument positionally in signature order, constexprs included, as Triton's launcher
-receives them.
+Two call forms: ``fast(kernel)[grid](*args, **kwargs)``, Triton's own form (arguments by position or name,
+constexprs' defaults applied, launch options ``num_warps`` / ``num_stages`` / ``maxnreg``; other options take
+Triton's path), and ``FastKernel(kernel)(grid, args, num_warps)`` with every argument positional in signature
+order, constexprs included, as Triton's launcher receives them (the RMSNorm launchers: no binding at all).
 """
+import inspect
 import os
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -97,10 +100,22 @@ def _no_hook(hook) -> bool:
     return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
 
 
+def _make_binder(kernel):
+    """``bind(*args, **kwargs) -> every argument in signature order``, generated from the kernel's signature:
+    Python's own argument binding (defaults applied, unknown names refused), one frame per launch."""
+    params = list(kernel.signature.parameters.values())
+    names = [p.name for p in params]
+    decl = ", ".join(n if p.default is inspect.Parameter.empty else f"{n}=_d_{n}" for n, p in zip(names, params))
+    src = f"def bind({decl}):\n    return ({', '.join(names)},)\n"
+    namespace = {f"_d_{p.name}": p.default for p in params if p.default is not inspect.Parameter.empty}
+    exec(src, namespace)  # noqa: S102 - source built from the kernel's parameter names only
+    return namespace["bind"]
+
+
 class FastKernel:
     """A Triton ``@jit`` kernel launched through a per-specialization cache (module docstring)."""
 
-    __slots__ = ("kernel", "constexpr", "key_fn", "routes", "usable")
+    __slots__ = ("kernel", "constexpr", "key_fn", "routes", "usable", "bind")
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -111,27 +126,73 @@ class FastKernel:
         self.constexpr = tuple(p.is_constexpr for p in params or ())
         self.key_fn = None  # generated on the first call, from its argument types
         self.routes: Dict[tuple, tuple] = {}
+        self.bind = _make_binder(kernel) if self.usable else None
+
+    def __getitem__(self, grid: Tuple[int, ...]):
+        """``kernel[grid](*args, **kwargs)`` as Triton takes it (module docstring)."""
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: Tuple[int, ...], args: Sequence, kwargs: dict) -> None:
+        if self.usable:
+            options = dict(kwargs)
+            num_warps = options.pop("num_warps", 4)
+            num_stages, maxnreg = options.pop("num_stages", None), options.pop("maxnreg", None)
+            try:
+                bound = self.bind(*args, **options)
+            except TypeError:  # another launch option (the route does not key on it) or a wrong call
+                bound = None
+            if bound is not None:
+                self.run(grid, bound, num_warps, num_stages, maxnreg)
+                return
+        self.kernel[grid](*args, **kwargs)  # the interpreter too
 
     def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+        self.run(grid, args, num_warps)
+
+    def run(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: Optional[int] = None,
+            maxnreg: Optional[int] = None) -> None:
+        """Launches with every argument positional in signature order (constexprs included)."""
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
         if self.usable and len(args) == len(self.constexpr) and not self.kernel.pre_run_hooks:
             runtime = _knobs.runtime
             if _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook):
                 if self.key_fn is None:
-                    self.key_fn = _make_key_fn(self.constexpr, args)
+                    try:
+                        self.key_fn = _make_key_fn(self.constexpr, args)
+                    except TypeError:  # an argument kind the key does not know (None for a pointer, ...)
+                        self.usable = False
+                        self.kernel[grid](*args, **options)
+                        return
                 drv = _driver.active
                 device = drv.get_current_device()
-                # Triton's options (num_warps, debug, instrumentation) are part of its key too.
-                key = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode), num_warps, *args)
+                # Triton's options (num_warps, num_stages, maxnreg, debug, instrumentation) are part of its key too.
+                key = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode, num_stages,
+                                   maxnreg), num_warps, *args)
                 route = None if key is None else self.routes.get(key)
                 if route is not None:
                     run, function, metadata = route
                     run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                         drv.get_current_stream(device), function, metadata, None, None, None, *args)
                     return
-                compiled = self.kernel[grid](*args, num_warps=num_warps)
+                compiled = self.kernel[grid](*args, **options)
                 # Keep only a finished, loaded kernel (async compilation hands back a future; a kernel whose
                 # handles failed to load raises inside Triton and is never kept).
                 if key is not None and isinstance(compiled, _CompiledKernel) and compiled.function is not None:
                     self.routes[key] = (compiled.run, compiled.function, compiled.packed_metadata)
                 return
-        self.kernel[grid](*args, num_warps=num_warps)
+        self.kernel[grid](*args, **options)
+
+
+_FAST: Dict[int, FastKernel] = {}  # by id: a JITFunction's own hash computes its cache key
+
+
+def fast(kernel) -> FastKernel:
+    """The FastKernel of ``kernel``, one per kernel for the process: ``fast(kernel)[grid](...)`` launches it."""
+    launcher = _FAST.get(id(kernel))
+    if launcher is None or launcher.kernel is not kernel:
+        launcher = _FAST[id(kernel)] = FastKernel(kernel)
+    return launcher

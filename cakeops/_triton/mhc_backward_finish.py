@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
@@ -74,7 +75,7 @@ def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor,
                   n: int = layout.N_STREAMS) -> None:
     """dbase [M], dscale [3] (+)= the fixed-order sums of kernel A's P partial rows ``part`` [P, 2 * M_PAD]
     (M_PAD = mhc_columns.logits_pad(n)) for n streams."""
-    _params_reduce_kernel[(layout.n_logits(n) + 3,)](part, dbase, dscale, P, N=n, M_PAD=logits_pad(n),
+    fast(_params_reduce_kernel)[(layout.n_logits(n) + 3,)](part, dbase, dscale, P, N=n, M_PAD=logits_pad(n),
                                                      ACCUMULATE=accumulate, BLOCK_P=min(256, next_power_of_2(P)),
                                                      num_warps=4)
 
@@ -402,18 +403,18 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
     precision = cfg.input_precision or _precision(X.dtype)
     dpre_slices = cdiv(C, plan.dpre_cols)
-    _dpre_kernel[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
+    fast(_dpre_kernel)[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
         X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
         N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=plan.dpre_block_c, num_warps=cfg.dpre_warps,
     )
-    _dlogits_kernel[(plan.dlogits_programs,)](
+    fast(_dlogits_kernel)[(plan.dlogits_programs,)](
         dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
         T, C, dpre_slices, stats.stride(0), grad_stats.stride(0), float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
         reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
-    _dx_kernel[(plan.dx.columns, plan.dx.splits)](
+    fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
         X, dY, dU, fn, stats, dz, dX, dfn if atomic else dfn_part,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
@@ -424,7 +425,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
     if not cfg.dfn_in_dx:
-        _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
+        fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
             X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
             BLOCK_C=plan.dfn.block_c, SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .launch import next_power_of_2
 from .mhc_columns import (
@@ -124,7 +125,7 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
     assert grad_stats.shape == (T, layout.grad_stats_width(n)) and stats.shape == (T, layout.stats_width(n))
     block_c, num_warps, vec = (config or BackwardPrepareConfig()).resolve(C, X.element_size(), n)
-    _backward_prepare_kernel[(T,)](
+    fast(_backward_prepare_kernel)[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
         dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),
         grad_stats.stride(0),

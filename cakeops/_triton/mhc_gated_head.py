@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import fast
 from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
@@ -221,14 +222,14 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     w = fn
     if presplit:
         w = torch.empty(2, n, n * C, dtype=torch.bfloat16, device=X.device)
-        _split_fn_kernel[(n, cdiv(n * C, 1024))](fn, w, n, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
-    _head_project_kernel[(cdiv(T, proj.block_t), part.shape[0])](
+        fast(_split_fn_kernel)[(n, cdiv(n * C, 1024))](fn, w, n, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
+    fast(_head_project_kernel)[(cdiv(T, proj.block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=M_PAD, BLOCK_T=proj.block_t, BLOCK_C=proj.block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=proj.num_warps, **_stages(proj.num_stages),
     )
-    _head_gates_kernel[(cdiv(T, cfg.gates_block_t),)](
+    fast(_head_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps),
         N=n, M_PAD=M_PAD, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
@@ -443,13 +444,13 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
     slices = cdiv(C, plan.dgate_cols)
-    _head_dgate_kernel[(cdiv(T, plan.dgate_block_t), slices)](
+    fast(_head_dgate_kernel)[(cdiv(T, plan.dgate_block_t), slices)](
         X, dY, dg, T, C, plan.dgate_cols, X.stride(0), X.stride(1), dY.stride(0),
         N=n, BLOCK_T=plan.dgate_block_t, BLOCK_C=plan.dgate_block_c, X_PER_STREAM=cfg.dgate_x_per_stream,
         REDUCE_PER_CHUNK=cfg.dgate_reduce_per_chunk, num_warps=cfg.dgate_warps,
     )
     programs = cdiv(T, cfg.gates_block_t)
-    _head_dlogits_kernel[(programs,)](
+    fast(_head_dlogits_kernel)[(programs,)](
         dg, stats, scale, base, dz, part, dbase, dscale, T, C, slices,
         N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
@@ -459,7 +460,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         sum_partials(part[:, n:], dscale, accumulate)
     precision = _precision(X.dtype)
     fused = cfg.dfn != "separate"
-    _head_dx_kernel[(plan.dx.columns, plan.dx.splits)](
+    fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
         X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
@@ -468,7 +469,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         **_register_cap(cfg.dx_maxnreg),
     )
     if not fused:
-        _dfn_kernel[(plan.dfn.columns, plan.dfn.splits)](
+        fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
             X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
             BLOCK_C=plan.dfn.block_c, LOGITS=n, num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .mhc_columns import (
     PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
@@ -380,8 +381,8 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     w = fn
     if presplit:
         w = pieces
-        _split_fn_kernel[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
-    _project_kernel[(cdiv(T, block_t), part.shape[0])](
+        fast(_split_fn_kernel)[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
+    fast(_project_kernel)[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, M_SPLIT=logits_split(n) if cfg.split_logits else 0,
@@ -389,7 +390,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
     )
-    _gates_kernel[(cdiv(T, cfg.gates_block_t),)](
+    fast(_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import fast
 from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
 from .launch import cdiv, next_power_of_2
 
@@ -111,7 +112,7 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     assert X.stride(2) == 1 and B.stride(1) == 1 and Y.stride(2) == 1 and stats.is_contiguous()
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
-    _finish_kernel[(T * c_blocks,)](
+    fast(_finish_kernel)[(T * c_blocks,)](
         X, B, stats, Y, C, X.stride(0), X.stride(1), B.stride(0), Y.stride(0), Y.stride(1), c_blocks,
         N=n, BLOCK_C=block_c, num_warps=warps,
     )
@@ -137,7 +138,7 @@ def _collapse(X, stats, Y, config):
     assert X.stride(2) == 1 and Y.stride(1) == 1
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
-    _collapse_kernel[(T * c_blocks,)](
+    fast(_collapse_kernel)[(T * c_blocks,)](
         X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0),
         0 if stats is None else stats.stride(0), c_blocks,
         N=n, WEIGHTED=stats is not None, BLOCK_C=block_c, num_warps=warps,
@@ -153,7 +154,7 @@ def head_backward(dY: torch.Tensor, dX: torch.Tensor, accumulate: bool, *,
     assert dY.shape == (T, C) and dY.stride(1) == 1 and dX.stride(2) == 1
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
-    _head_backward_kernel[(T * c_blocks,)](
+    fast(_head_backward_kernel)[(T * c_blocks,)](
         dY, dX, C, dY.stride(0), dX.stride(0), dX.stride(1), c_blocks,
         N=n, ACCUMULATE=bool(accumulate), BLOCK_C=block_c, num_warps=warps,
     )

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import FastKernel
+from .fast_launch import fast
 from .launch import cdiv, next_power_of_2
 
 
@@ -24,7 +24,7 @@ def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BL
     tl.store(OUT + cols, acc.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"), mask=cols < H)
 
 
-_launch = FastKernel(_sum_partials_kernel)  # all arguments positional: ACCUMULATE, BLOCK_P, BLOCK last
+_launch = fast(_sum_partials_kernel)  # all arguments positional: ACCUMULATE, BLOCK_P, BLOCK last
 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import FastKernel
+from .fast_launch import fast
 from .launch import cdiv, persistent_programs, tile_config
 from .partials import sum_partials
 
@@ -170,8 +170,8 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
 
 
 # Launched through the per-specialization cache (fast_launch.py): all arguments positional, in signature order.
-_fwd_launch = FastKernel(_rmsnorm_fwd_kernel)
-_bwd_launch = FastKernel(_rmsnorm_bwd_kernel)
+_fwd_launch = fast(_rmsnorm_fwd_kernel)
+_bwd_launch = fast(_rmsnorm_bwd_kernel)
 
 
 @dataclass(frozen=True)

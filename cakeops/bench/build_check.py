@@ -126,15 +126,19 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[B
 
     from .._triton.fast_launch import FastKernel
 
-    fast_call = FastKernel.__call__  # its cached route would skip JITFunction.run, the recorder
+    def triton_path(self, grid, args, num_warps, num_stages=None, maxnreg=None):
+        options = {k: v for k, v in (("num_stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
+        self.kernel[grid](*args, num_warps=num_warps, **options)
+
+    fast_run = FastKernel.run  # its cached route would skip JITFunction.run, the recorder
     JITFunction.run = record
-    FastKernel.__call__ = lambda self, grid, args, num_warps: self.kernel[grid](*args, num_warps=num_warps)
+    FastKernel.run = triton_path
     try:
         with _as_gpu(sms):
             call()
     finally:
         JITFunction.run = run
-        FastKernel.__call__ = fast_call
+        FastKernel.run = fast_run
     built, seen = [], set()
     for fn, args, kwargs, grid in launches:
         if kernels and fn.__name__ not in kernels:
