@@ -171,7 +171,7 @@ def _tune_variants():
 
 
 @pytest.mark.parametrize("config", _tune_variants(), ids=lambda cfg: f"B{cfg.block_t}x{cfg.block_c}w{cfg.warps}p{cfg.per_sm}"
-                         f"-C{'inB' if cfg.dfn_in_dx else cfg.dfn_block_c}-A{cfg.dlogits_per_sm}")
+                         f"-C{cfg.dfn_block_c}-A{cfg.dlogits_per_sm}")
 def test_backward_finish_tune_variants(triton_kernels, gen, config):
     """Every launch shape the tuner times is correct (taller token blocks than T's tail, wider columns than C)."""
     case = Case(gen, 70, 40, torch.bfloat16, 3)

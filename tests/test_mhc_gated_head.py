@@ -197,13 +197,12 @@ def test_every_tuner_candidate_computes_the_defaults_results(triton_kernels, gen
         assert_close(name, g, r, grad_tol(torch.float32, name))
 
 
-@pytest.mark.parametrize("dfn", ["separate", "fused_2d"])
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_dfn_forms_and_per_chunk_dgate_at_other_stream_counts(triton_kernels, gen, n, deterministic, dfn):
+def test_separate_dfn_and_per_chunk_dgate_at_other_stream_counts(triton_kernels, gen, n, deterministic):
     case = Case(gen, 37, n, 40, torch.float32)
     stats = R.forward_stats(*case.f64(case.X, *case.params), case.rms_eps, case.hc_eps).float()
-    cfg = K.GatedHeadConfig(dfn=dfn, dgate_reduce_per_chunk=True, dgate_block_c=16, dfn_block_t=16,
+    cfg = K.GatedHeadConfig(dfn="separate", dgate_reduce_per_chunk=True, dgate_block_c=16, dfn_block_t=16,
                             dfn_block_c=16, dfn_splits=2, dx_elems=16 * n, dx_splits=2)
     for name, g, r in zip(("dX", "dfn", "dscale", "dbase"), _backward_with(case, stats, cfg, deterministic),
                           case.ref_backward()):

@@ -9,38 +9,27 @@ from .mhc_math import bf16_pieces, dot_bf16
 
 @triton.jit
 def _dx_kernel(
-    X, DY, DU, FN, STATS, DZ, DX, DFN,
+    X, DY, DU, FN, STATS, DZ, DX,
     T, C, blocks_per_split,
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    X_PER_STREAM: tl.constexpr, FUSED_DFN: tl.constexpr = False, ATOMIC: tl.constexpr = False,
-    M_SPLIT: tl.constexpr = 0,
+    X_PER_STREAM: tl.constexpr,
 ):
-    """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks), and (FUSED_DFN)
-    kernel C's dfn columns of the chunk over the same range (``_dfn_2d_step``; DFN as kernel C's).
+    """Kernel B (see mhc_backward_finish.py): dX over (C chunk) x (a range of token blocks).
 
     Tiles are [N, BLOCK_T, BLOCK_C], the stream axis first: the compiler puts one warp on each stream, so the
     per-stream coefficients (pre_i, comb[i, j]) are [N, BLOCK_T, 1] broadcasts and the dY_j tiles are loaded
     once per warp; the projection is one batched dot [N, BLOCK_T, M_PAD] @ [N, M_PAD, BLOCK_C] that takes the
     elementwise terms as its accumulator (H200, triton 3.6: 128 registers, no spill; 4 programs of 4 warps per SM).
-    M_SPLIT > 0: the logits as two dots, [0, M_SPLIT) and the 16 after it, instead of one padded to M_PAD (n = 8:
-    80 logits as 64 + 16 instead of 128: fn's columns held in registers and the dots' work 5/8 of the padded).
     """
     M = 2 * N + N * N
-    M_MAIN: tl.constexpr = M_SPLIT if M_SPLIT > 0 else M_PAD
     i = tl.arange(0, N)[:, None, None]
     tt = tl.arange(0, BLOCK_T)[None, :, None]
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c < C
-    m_row = tl.arange(0, M_MAIN)[None, :, None]
-    m_col = tl.arange(0, M_MAIN)[None, None, :]
-    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_MAIN, BLOCK_C]
-    r_row = M_MAIN + tl.arange(0, 16)[None, :, None]
-    r_col = M_MAIN + tl.arange(0, 16)[None, None, :]
-    fn_r = fn_i
-    if M_SPLIT > 0:
-        fn_r = tl.load(FN + r_row * stride_fn + i * C + c, mask=(r_row < M) & c_ok, other=0.0)  # [N, 16, BLOCK_C]
-    dfn = tl.zeros([M_PAD, N * BLOCK_C if FUSED_DFN else 16], dtype=tl.float32)
+    m_row = tl.arange(0, M_PAD)[None, :, None]
+    m_col = tl.arange(0, M_PAD)[None, None, :]
+    fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < M) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
@@ -48,66 +37,19 @@ def _dx_kernel(
         t64 = t.to(tl.int64)
         # dz once per token block, broadcast over the streams (a load per stream cost B 2-3%, H200)
         dz = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + m_col, mask=t_ok & (m_col < M), other=0.0),
-                             (N, BLOCK_T, M_MAIN))
-        dz_r = dz
-        if M_SPLIT > 0:
-            dz_r = tl.broadcast_to(tl.load(DZ + t64 * M_PAD + r_col, mask=t_ok & (r_col < M), other=0.0),
-                                   (N, BLOCK_T, 16))
+                             (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
-                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, True, fn_r, dz_r,
-                 M_SPLIT > 0)
-        if FUSED_DFN:
-            dfn = _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N, M_PAD, BLOCK_T, BLOCK_C,
-                               PRECISION)
-    if FUSED_DFN:
-        _dfn_2d_store(DFN, dfn, C, M, N, M_PAD, BLOCK_C, ATOMIC)
-
-
-@triton.jit
-def _dfn_2d_columns(C, N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The (stream, column) of each column k of a chunk's [BLOCK_T, N*BLOCK_C] x tile: stream k // BLOCK_C, column
-    program_id(0)*BLOCK_C + k % BLOCK_C; dfn's column for it is stream*C + column."""
-    k = tl.arange(0, N * BLOCK_C)
-    return k // BLOCK_C, tl.program_id(0) * BLOCK_C + k % BLOCK_C
-
-
-@triton.jit
-def _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, M, N: tl.constexpr, M_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr):
-    """kernel C's product folded into a dX kernel: dfn [M_PAD, N*BLOCK_C] += dz^T @ x over one token block, x the
-    chunk's columns of all N streams as one 2-D tile [BLOCK_T, N*BLOCK_C] loaded again in X's dtype (the dX tile
-    just read it: L1 / L2, not DRAM) in the layout the dot wants, one MMA chain instead of a batched dot on the
-    dX kernel's FP32 x tile (whose layout change cost that kernel 168 registers in the gated head)."""
-    stream, col = _dfn_2d_columns(C, N, BLOCK_C)
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    t64 = t.to(tl.int64)
-    m = tl.arange(0, M_PAD)
-    dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
-    x = tl.load(X + t64[:, None] * stride_xt + stream[None, :] * stride_xi + col[None, :],
-                mask=t_ok[:, None] & (col < C)[None, :], other=0.0)
-    return tl.dot(dz_t, x.to(tl.float32), dfn, input_precision=PRECISION)
-
-
-@triton.jit
-def _dfn_2d_store(DFN, dfn, C, M, N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                  ATOMIC: tl.constexpr):
-    """A dX program's dfn columns into dfn [M, N*C] itself (ATOMIC) or its token split's row of the
-    [splits, M, N*C] partials: kernel C's store, each column with its own stream."""
-    stream, col = _dfn_2d_columns(C, N, BLOCK_C)
-    _dfn_rows_store(DFN, dfn, tl.arange(0, M_PAD), stream[None, :], col, C, M, N, ATOMIC)
+                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
 
 
 @triton.jit
 def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
              stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
-             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True, fn_r=None, dz_r=None,
-             SECOND_DOT: tl.constexpr = False):
+             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
     t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD].
     MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX, whose gates sit at PRE.
-    SECOND_DOT: the projection's remaining logits as a second dot, dz_r [N, BLOCK_T, 16] @ fn_r [N, 16, BLOCK_C].
     Returns the FP32 x tile (the gated head reuses it for dfn)."""
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
@@ -126,8 +68,6 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
             dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
             dx += tl.load(s_row + _COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
     dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
-    if SECOND_DOT:
-        dx = tl.dot(dz_r, fn_r, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
     return x
 
@@ -136,43 +76,31 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
 def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0,
-                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False, M_SPLIT: tl.constexpr = 0):
+                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
     C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
     (the gated head's n), else the mHC layer's 2n + n^2.
     SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split)
     instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD = 128) the GEMM has 4x n = 4's work per byte
-    of X. M_SPLIT > 0: the logits as rows [0, M_SPLIT) and the 16 after, two products on the same x tile (n = 8:
-    64 + 16 rows for 80 logits, not 128)."""
+    of X."""
     M = 2 * N + N * N if LOGITS == 0 else LOGITS
-    M_MAIN: tl.constexpr = M_SPLIT if M_SPLIT > 0 else M_PAD
     c_blocks = tl.cdiv(C, BLOCK_C)
     i = tl.program_id(0) // c_blocks
     c = (tl.program_id(0) % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    m = tl.arange(0, M_MAIN)
-    m_r = M_SPLIT + tl.arange(0, 16)
+    m = tl.arange(0, M_PAD)
     tt = tl.arange(0, BLOCK_T)
-    acc = tl.zeros([M_MAIN, BLOCK_C], dtype=tl.float32)
-    acc_r = tl.zeros([16, BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_C], dtype=tl.float32)
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
         t_ok = t < T
         t64 = t.to(tl.int64)
         dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
-        dz_r = dz_t
-        if M_SPLIT > 0:
-            dz_r = tl.load(DZ + t64[None, :] * M_PAD + m_r[:, None], mask=t_ok[None, :] & (m_r < M)[:, None],
-                           other=0.0)
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
         acc = _dz_t_dot(dz_t, x, acc, PRECISION, SPLIT_BF16, INTERPRET)
-        if M_SPLIT > 0:
-            acc_r = _dz_t_dot(dz_r, x, acc_r, PRECISION, SPLIT_BF16, INTERPRET)
     _dfn_rows_store(DFN, acc, m, i, c, C, M, N, ATOMIC)
-    if M_SPLIT > 0:
-        _dfn_rows_store(DFN, acc_r, m_r, i, c, C, M, N, ATOMIC)
 
 
 @triton.jit
@@ -189,8 +117,7 @@ def _dz_t_dot(dz_t, x, acc, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, I
 
 @triton.jit
 def _dfn_rows_store(DFN, acc, m, i, c, C, M, N: tl.constexpr, ATOMIC: tl.constexpr):
-    """Kernel C's rows m of dfn at stream i's columns c (i a scalar, or [1, len(c)]: a stream per column): into dfn
-    itself (ATOMIC) or its token split's partials."""
+    """Kernel C's rows m of dfn at stream i's columns c: into dfn itself (ATOMIC) or its token split's partials."""
     dst = m[:, None] * (N * C) + i * C + c[None, :]
     ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:

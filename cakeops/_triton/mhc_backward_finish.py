@@ -19,9 +19,6 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
-``FinishConfig(dfn_in_dx=True)`` folds C into B another way: one 2-D dot per token block on x loaded again in
-X's dtype (from L1, not DRAM), no layout change of B's tiles (sm_90 build at n = 4: 128 registers at 32 columns);
-a tuner candidate until timed on a GPU.
 Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
@@ -40,7 +37,7 @@ from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel
-from .mhc_columns import logits_pad, logits_split
+from .mhc_columns import logits_pad
 from .mhc_math import SINKHORN_TILE
 from .partials import sum_partials
 
@@ -119,10 +116,6 @@ class FinishConfig:
     dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
     dfn_splits: Optional[int] = None
-    split_logits: bool = False   # kernels B and C: the logits as a power-of-2 product and a 16-wide one when
-    #                              padding to M_PAD wastes more (n = 8: 64 + 16 for 80, not 128). Not yet timed
-    dfn_in_dx: bool = False      # kernel C folded into B (one 2-D dot per token block on x reloaded from L1:
-    #                              a pass over X fewer; mhc_backward_dx._dfn_2d_step). Not yet timed on a GPU
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
@@ -174,10 +167,7 @@ class FinishConfig:
         # kernel A: programs per SM; kernel C (dfn): column width
         yield FinishConfig(dlogits_per_sm=8)
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)
-        # kernel C folded into B, a pass over X fewer (triton 3.6 sm_90 builds at n = 4: 128 registers at 32
-        # columns, with 2 or 3 stages; 80 at 16; 209 at 64)
-        for block_c, per_sm, stages in ((32, 4, 2), (32, 4, 3), (16, 6, 2), (64, 2, 2)):
-            yield FinishConfig(dfn_in_dx=True, block_c=block_c, per_sm=per_sm, stages=stages)
+        # (kernel C folded into B, one 2-D dot per token block: 1.055 ms against 0.881, H200 2026-12-01, removed)
 
 
 def _wide_candidates(n: int):
@@ -190,7 +180,7 @@ def _wide_candidates(n: int):
     yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
     yield F(dlogits_warps=2, dlogits_per_sm=6)     # A: 166 registers, 6 / SM of 2 warps
     # (B at 16 columns per stream, fn's [8, 128, 16] chunk, 2-3 programs of 4 warps per SM: all slower on the H200,
-    # 2026-12-01, 10.5-12.6 ms against 7.9; they left the list for the split-logits ones below)
+    # 2026-12-01, 10.5-12.6 ms against 7.9; gone)
     # dpre: half the columns per chunk (128 registers, 4 / SM against 251 and 2); dfn: 128 columns
     yield F(dpre_block_c=64)
     # (kernel B on bf16 hi / lo pieces of dz and fn, three bf16 MMAs: 5.85 ms against 5.01, H200 2026-12-01; gone)
@@ -198,15 +188,8 @@ def _wide_candidates(n: int):
     # TF32 at today's tile
     yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
     yield F(dfn_split_bf16=False)
-    # kernel C folded into B (TF32 there; 254 registers, one program per SM as B alone)
-    yield F(dfn_in_dx=True)
-    # B's 80 logits as 64 + 16 (fn's columns 5/8 of the padded 128): 165 registers and 101 KB at the default
-    # shape; 128 and 96 KB with one stage (2 programs of 8 warps per SM); 4 warps: 168, 2 / SM; 16 columns and
-    # 4 warps: 128, 49 KB, 4 / SM
-    yield F(split_logits=True)
-    yield F(split_logits=True, stages=1, per_sm=2)
-    yield F(split_logits=True, warps=4, per_sm=2)
-    yield F(split_logits=True, block_c=16, warps=4, per_sm=4)
+    # (kernel C folded into B, one 2-D dot per token block: 7.403 ms against 4.996, H200 2026-12-01, removed)
+    # (B's and C's 80 logits as 64 + 16, not padded to 128: 5.318 ms against 4.998, H200 2026-12-01, removed)
 
 
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
@@ -277,7 +260,7 @@ def _dfn_split(device, T: int, C: int, cfg: "FinishConfig", n: int) -> _Split:
 class _Plan(NamedTuple):
     dlogits_programs: int
     dx: _Split
-    dfn: _Split           # kernel C's grid; B's (dx) when B computes dfn
+    dfn: _Split           # kernel C's grid
     dpre_block_c: int
     dpre_cols: int        # columns per slice of the dpre kernel
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
@@ -293,7 +276,7 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     a_programs = max(1, min(persistent_programs(device, cdiv(T, cfg.dlogits_block_t), cfg.dlogits_per_sm),
                             cfg.dlogits_scratch_bytes // slot))
     dx = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
-    dfn = dx if cfg.dfn_in_dx else _dfn_split(device, T, C, cfg, n)
+    dfn = _dfn_split(device, T, C, cfg, n)
     dpre_block_c = _dpre_block_c(C, cfg)
     dpre_cols = cdiv(cdiv(C, _dpre_slices(T, C, device, cfg)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
@@ -325,16 +308,11 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
     iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
     worst = max((_plan(T, C, it, device, False, cfg, n) for it in iters_range), key=lambda p: sum(p.sizes))
     numel = sum(worst.sizes) - worst.sizes[-1] + _dpre_rows_max(T, C, device, cfg) * n  # dpre: see _dpre_rows_max
-    if deterministic:  # the grid computing dfn: kernel C's, or B's
-        if cfg.dfn_in_dx:
-            grid = _split(device, T, C, cfg.block_t, cfg.block_c, cfg.per_sm, cfg.splits)
-            block_t, per_sm, splits = cfg.block_t, cfg.per_sm, cfg.splits
-        else:
-            grid = _dfn_split(device, T, C, cfg, n)
-            block_t, per_sm, splits = cfg.dfn_block_t, cfg.dfn_per_sm, cfg.dfn_splits
-        token_blocks = cdiv(T, block_t)
-        requested = splits or max(1, persistent_programs(device, grid.columns * token_blocks, per_sm)
-                                  // grid.columns)
+    if deterministic:
+        dfn = _dfn_split(device, T, C, cfg, n)
+        token_blocks = cdiv(T, cfg.dfn_block_t)
+        requested = cfg.dfn_splits or max(1, persistent_programs(device, dfn.columns * token_blocks,
+                                                                   cfg.dfn_per_sm) // dfn.columns)
         numel += min(requested, token_blocks) * M * n * C
     return numel * 4
 
@@ -415,23 +393,19 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     if not atomic:  # right away, while A's partials are in L2
         reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
     fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
-        X, dY, dU, fn, stats, dz, dX, dfn if atomic else dfn_part,
+        X, dY, dU, fn, stats, dz, dX,
         T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
         dX.stride(0), dX.stride(1),
         N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=cfg.dfn_in_dx, ATOMIC=atomic,
-        M_SPLIT=logits_split(n) if cfg.split_logits else 0, num_warps=cfg.warps,
-        **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+        X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
     )
-    if not cfg.dfn_in_dx:
-        fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-            X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-            N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
-            BLOCK_C=plan.dfn.block_c, SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16,
-            INTERPRET=interpreting(), M_SPLIT=logits_split(n) if cfg.split_logits else 0,
-            num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
-        )
+    fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
+        X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+        N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
+        SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16, INTERPRET=interpreting(),
+        num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+    )
     if not atomic:
         width = M * n * C
         sum_partials(dfn_part.reshape(plan.dfn.splits, width), dfn.view(width), accumulate, max_block=1024,

@@ -73,14 +73,3 @@ def logits_pad(n: int) -> int:
     (a tl.dot dimension). n = 2: 16, n = 4: 32, n = 8: 128."""
     M = 2 * n + n * n
     return max(16, 1 << M.bit_length())  # the smallest power of two > M
-
-
-def logits_split(n: int) -> int:
-    """Where a product over the M logits may split in two, a power-of-two part [0, split) and a 16-wide one after
-    it, covering M with less padding than one product over logits_pad(n): n = 8's 80 logits as 64 + 16 (5/8 of
-    128). 0 where that saves nothing (n = 2: 8 logits, n = 4: 24, each one 16- or 32-wide product)."""
-    M = 2 * n + n * n
-    split = 1 << (M.bit_length() - 1)  # the largest power of two <= M
-    if split < 16 or split == M or M - split > 16 or split + 16 >= logits_pad(n):
-        return 0
-    return split

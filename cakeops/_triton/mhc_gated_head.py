@@ -43,7 +43,7 @@ from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
-from .mhc_backward_dx import _dfn_2d_step, _dfn_2d_store, _dfn_kernel, _dx_tile
+from .mhc_backward_dx import _dfn_kernel, _dx_tile
 from .mhc_backward_finish import _precision, _register_cap, _split, _stages, _zero_unless_accumulate
 from .mhc_math import sigmoid
 from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
@@ -72,9 +72,8 @@ def _head_project_kernel(X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_f
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
-    acc, _, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols),
-                              stride_xi, stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION,
-                              PRESPLIT)
+    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
+                           stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
     m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     tl.store(row[:, None] + m[None, :], tl.where(m[None, :] == N, sum_sq[:, None], acc), mask=t_ok[:, None])
@@ -148,7 +147,7 @@ class GatedHeadConfig:
     dx_splits: Optional[int] = None
     dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
-    dfn: str = "separate"            # backward_finish's kernel C, or "fused" / "fused_2d" into the dX kernel
+    dfn: str = "separate"            # backward_finish's kernel C, or "fused" into the dX kernel
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -167,12 +166,7 @@ class GatedHeadConfig:
         dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
         builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
         G = GatedHeadConfig
-        # dfn in the dX kernel as one 2-D dot on x reloaded from L1 (a pass over X fewer than the separate dfn
-        # kernel; sm_90 builds at n = 4: 128 registers at 64 columns, 96 at 32, 80 at 32 with 3 stages, against
-        # the batched form's 168)
-        yield G(dfn="fused_2d", dx_per_sm=4)
-        yield G(dfn="fused_2d", dx_per_sm=5, dx_elems=128)
-        yield G(dfn="fused_2d", dx_per_sm=6, dx_elems=128, dx_stages=3)
+        # (dfn="fused_2d", one 2-D dot in the dX kernel: 0.703 ms against 0.661 at n = 4, H200 2026-12-01, removed)
         # first what the sm_90 builds point at (a short sweep may stop early): the separate dfn kernel (dX kernel
         # 80 registers instead of 168) with the dgate pass reduced per chunk (128 registers instead of 255)
         yield G(dfn="separate", dx_per_sm=4, dgate_reduce_per_chunk=True)
@@ -329,15 +323,13 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                     stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
                     N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, X_PER_STREAM: tl.constexpr,
-                    FUSED_DFN: tl.constexpr = True, DFN_2D: tl.constexpr = False):
+                    FUSED_DFN: tl.constexpr = True):
     """dX over (C chunk) x (a range of token blocks), and (FUSED_DFN) that range's dfn columns of the chunk;
     without FUSED_DFN it is backward_finish's kernel B without the mixing term and DFN is unused.
 
     Per token block, backward_finish's _dx_tile with the gates as its ``pre`` and no mixing term:
-    dX = round(g_i*dY - x_i*s + (dz @ fn)_i); then dfn[:, i*C + c] += dz^T @ x_i. fn's columns of the chunk
-    ([N, M_PAD, BLOCK_C], rows >= N zero) stay in registers for the whole range. dfn's product either as a
-    batched dot on the FP32 x tile _dx_tile returns ([N, M_PAD, BLOCK_T] @ [N, BLOCK_T, BLOCK_C]), or (DFN_2D)
-    as backward_finish's fused kernel C does it (mhc_backward_dx._dfn_2d_step: one 2-D dot on x loaded again).
+    dX = round(g_i*dY - x_i*s + (dz @ fn)_i); then dfn[:, i*C + c] += dz^T @ x_i on the x tile it loaded.
+    fn's columns of the chunk ([N, M_PAD, BLOCK_C], rows >= N zero) stay in registers for the whole range.
     DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials."""
     i = tl.arange(0, N)[:, None, None]
     tt = tl.arange(0, BLOCK_T)[None, :, None]
@@ -347,10 +339,7 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
     m_row = tl.arange(0, M_PAD)[None, :, None]
     m_col = tl.arange(0, M_PAD)[None, None, :]
     fn_i = tl.load(FN + m_row * stride_fn + i * C + c, mask=(m_row < N) & c_ok, other=0.0)  # [N, M_PAD, BLOCK_C]
-    if DFN_2D:
-        dfn = tl.zeros([M_PAD, N * BLOCK_C], dtype=tl.float32)
-    else:
-        dfn = tl.zeros([N, M_PAD, BLOCK_C], dtype=tl.float32)
+    dfn = tl.zeros([N, M_PAD, BLOCK_C], dtype=tl.float32)
     first = tl.program_id(1) * blocks_per_split
     for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
         t = block * BLOCK_T + tt
@@ -361,16 +350,11 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
         s = tl.load(DZ + t64 * M_PAD + N, mask=t_ok, other=0.0)
         x = _dx_tile(X, DY, DY, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, 0, 0, stride_dyt,
                      _WIDTH, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, False)
-        if FUSED_DFN and DFN_2D:
-            dfn = _dfn_2d_step(X, DZ, dfn, block, T, C, stride_xt, stride_xi, N, N, M_PAD, BLOCK_T, BLOCK_C,
-                               PRECISION)
-        elif FUSED_DFN:
+        if FUSED_DFN:
             t_col = block * BLOCK_T + tt_col
             dz_t = tl.load(DZ + t_col.to(tl.int64) * M_PAD + m_row, mask=(t_col < T) & (m_row < N), other=0.0)
             dfn = tl.dot(tl.broadcast_to(dz_t, (N, M_PAD, BLOCK_T)), x, dfn, input_precision=PRECISION)
-    if FUSED_DFN and DFN_2D:
-        _dfn_2d_store(DFN, dfn, C, N, N, M_PAD, BLOCK_C, ATOMIC)
-    elif FUSED_DFN:
+    if FUSED_DFN:
         dst = m_row * (N * C) + i * C + c
         ok = (m_row < N) & c_ok & (i < N)  # at the full shape: the interpreter's atomics do not broadcast masks
         if ATOMIC:
@@ -403,8 +387,7 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
     if cfg.dfn == "separate":
         dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     else:
-        assert cfg.dfn in ("fused", "fused_2d"), \
-            f"GatedHeadConfig.dfn: 'separate', 'fused' or 'fused_2d', not {cfg.dfn!r}"
+        assert cfg.dfn == "fused", f"GatedHeadConfig.dfn: 'fused' or 'separate', not {cfg.dfn!r}"
     sizes = (cdiv(C, cols) * T * n, T * M_PAD, cdiv(T, cfg.gates_block_t) * (n + 1),
              dfn.splits * n * n * C if deterministic else 0)
     return _Plan(block_t, block_c, cols, dx, dfn, sizes)
@@ -459,13 +442,12 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         sum_partials(part[:, :n], dbase, accumulate)
         sum_partials(part[:, n:], dscale, accumulate)
     precision = _precision(X.dtype)
-    fused = cfg.dfn != "separate"
+    fused = cfg.dfn == "fused"
     fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
         X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, DFN_2D=cfg.dfn == "fused_2d", num_warps=cfg.dx_warps,
-        **_stages(cfg.dx_stages),
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_warps, **_stages(cfg.dx_stages),
         **_register_cap(cfg.dx_maxnreg),
     )
     if not fused:

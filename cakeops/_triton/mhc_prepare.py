@@ -32,7 +32,7 @@ from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .mhc_columns import (
     PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
-    STATS_WIDTH as _STATS_WIDTH, logits_pad, logits_split,
+    STATS_WIDTH as _STATS_WIDTH, logits_pad,
 )
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
@@ -44,14 +44,12 @@ from .mhc_streams import StreamConfig, collapse
 def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
              N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
              BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, M_SPLIT: tl.constexpr = 0):
-    """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD], the logits from M_SPLIT on
-    [BLOCK_T, 16], and the sum of x^2 [BLOCK_T] over those columns), FP32.
+             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
+    """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD] and the sum of x^2
+    [BLOCK_T] over those columns), FP32.
 
     Walks the columns in BLOCK_C chunks, the n streams of a chunk together (no div/mod to unflatten K).
-    fn rows past M are masked to zero. M_SPLIT > 0: the first product holds logits [0, M_SPLIT) only and the
-    second [M_SPLIT, M_SPLIT + 16), both on the same x tiles (n = 8: 80 logits as 64 + 16 instead of one product
-    padded to 128, 5/8 of the MMAs and of fn's tile bytes); M_SPLIT = 0: the second is zeros, never computed.
+    fn rows past M are masked to zero.
     Tensor cores for the projection (design.md §3 allows it): bf16 x is exact in a bf16 MMA and fn is split
     into bf16 hi + lo (~16 mantissa bits; on an H200 both faster and ~10x more accurate than TF32);
     other dtypes take fp32 x with TF32. The interpreter's bf16 dot is broken, so there the same pieces
@@ -59,11 +57,8 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
     so the tiles go to the tensor cores as loaded instead of through registers for the split.
     """
     offs_c = tl.arange(0, BLOCK_C)
-    M_MAIN: tl.constexpr = M_SPLIT if M_SPLIT > 0 else M_PAD
-    offs_m = tl.arange(0, M_MAIN)
-    offs_r = M_SPLIT + tl.arange(0, 16)
-    acc = tl.zeros([BLOCK_T, M_MAIN], dtype=tl.float32)
-    acc_r = tl.zeros([BLOCK_T, 16], dtype=tl.float32)
+    offs_m = tl.arange(0, M_PAD)
+    acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for c0 in range(c_lo, c_hi, BLOCK_C):
         c = c0 + offs_c
@@ -73,36 +68,20 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
                         mask=t_ok[:, None] & c_ok[None, :], other=0.0)
             w_mask = (offs_m < M)[None, :] & c_ok[:, None]
             w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
-            w_r, r_mask = w, w_mask
-            if M_SPLIT > 0:
-                r_mask = (offs_r < M)[None, :] & c_ok[:, None]
-                w_r = tl.load(FN + offs_r[None, :] * stride_fn + (i * C + c)[:, None], mask=r_mask, other=0.0)
             xf = x.to(tl.float32)
             sum_sq += xf * xf
-            acc = _project_rows(x, xf, w, FN, offs_m, i * C + c, w_mask, stride_fn, M, acc, SPLIT_BF16, INTERPRET,
-                                PRECISION, PRESPLIT)
-            if M_SPLIT > 0:
-                acc_r = _project_rows(x, xf, w_r, FN, offs_r, i * C + c, r_mask, stride_fn, M, acc_r, SPLIT_BF16,
-                                      INTERPRET, PRECISION, PRESPLIT)
-    return acc, acc_r, tl.sum(sum_sq, axis=1)
-
-
-@triton.jit
-def _project_rows(x, xf, w, FN, offs_m, k, w_mask, stride_fn, M: tl.constexpr, acc, SPLIT_BF16: tl.constexpr,
-                  INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
-    """acc += x @ w^T, w = fn's rows offs_m at columns k as loaded (rows past M zero): the bf16 hi + lo
-    products (PRESPLIT: w is hi and FN holds the lo rows M further down) or TF32 on xf."""
-    if SPLIT_BF16:
-        if PRESPLIT:
-            w_hi = w
-            w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + k[:, None], mask=w_mask, other=0.0)
-        else:
-            w_hi, w_lo = bf16_pieces(w)
-        acc = dot_bf16(x, w_hi, acc, INTERPRET)
-        acc = dot_bf16(x, w_lo, acc, INTERPRET)
-    else:
-        acc = tl.dot(xf, w, acc, input_precision=PRECISION)
-    return acc
+            if SPLIT_BF16:
+                if PRESPLIT:
+                    w_hi = w
+                    w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + (i * C + c)[:, None], mask=w_mask,
+                                   other=0.0)
+                else:
+                    w_hi, w_lo = bf16_pieces(w)
+                acc = dot_bf16(x, w_hi, acc, INTERPRET)
+                acc = dot_bf16(x, w_lo, acc, INTERPRET)
+            else:
+                acc = tl.dot(xf, w, acc, input_precision=PRECISION)
+    return acc, tl.sum(sum_sq, axis=1)
 
 
 @triton.jit
@@ -121,31 +100,18 @@ def _project_kernel(
     X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    M_SPLIT: tl.constexpr = 0,
 ):
     """Program (token block, column slice): the slice's projection and sum of squares into PART [slices, T,
-    M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2). M_SPLIT: the
-    logits in two products (_project); the row is then written in three pieces."""
+    M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
     M = 2 * N + N * N
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
-    acc, acc_r, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols),
-                                  stride_xi, stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET,
-                                  PRECISION, PRESPLIT, M_SPLIT)
+    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
+                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+    offs_m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
-    if M_SPLIT > 0:  # [0, M_SPLIT) | [M_SPLIT, M_SPLIT + 16) | sum(x^2) at M and zeros to M_PAD
-        offs_a = tl.arange(0, M_SPLIT)
-        offs_r = M_SPLIT + tl.arange(0, 16)
-        offs_z = M_SPLIT + 16 + tl.arange(0, M_PAD - M_SPLIT)  # M_PAD = 2 * M_SPLIT: a power of two wide
-        tl.store(row[:, None] + offs_a[None, :], acc, mask=t_ok[:, None])
-        tl.store(row[:, None] + offs_r[None, :], acc_r, mask=t_ok[:, None])
-        tl.store(row[:, None] + offs_z[None, :], tl.where(offs_z[None, :] == M, sum_sq[:, None], 0.0),
-                 mask=t_ok[:, None] & (offs_z < M_PAD)[None, :])
-    else:
-        offs_m = tl.arange(0, M_PAD)
-        tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc),
-                 mask=t_ok[:, None])
+    tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc), mask=t_ok[:, None])
 
 
 @triton.jit
@@ -228,7 +194,6 @@ class PrepareConfig:
     gates_warps: int = SINKHORN_TILE[1]
     collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
     presplit: bool = True
-    split_logits: bool = False  # n = 8: the projection's 80 logits as 64 + 16, not 128 (_project). Not yet timed
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
@@ -287,11 +252,7 @@ def _wide_candidates():
             (32, 4, 3, 1, True)):                            # 144 KB, 122 registers, 512 blocks
         yield PrepareConfig(block_t=block_t, block_c=16, num_warps=warps, num_stages=stages, slices=slices,
                             presplit=presplit)
-    # the 80 logits as 64 + 16 (5/8 of the padded 128's MMAs and fn tile bytes) at the layer default's tile: 99 KB
-    # of shared memory and 126 registers (2 programs per SM, so also with 2 column slices), 165 KB with 3 stages
-    for stages, slices in ((2, None), (2, 2), (3, None)):
-        yield PrepareConfig(block_t=128, block_c=16, num_warps=8, num_stages=stages, slices=slices,
-                            split_logits=True)
+    # (the 80 logits as 64 + 16, not padded to 128: 1.705 / 2.604 ms against 1.256, H200 2026-12-01, removed)
 
 
 # The layer's projection at n = 8 where it differs from resolve's rules (which the gated head's projection, with
@@ -385,7 +346,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     fast(_project_kernel)[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(), PRESPLIT=presplit, M_SPLIT=logits_split(n) if cfg.split_logits else 0,
+        INTERPRET=interpreting(), PRESPLIT=presplit,
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
