@@ -3,6 +3,8 @@ import pytest
 import torch
 import torch._dynamo
 from expecttest import assert_expected_inline
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import cakeops
 from cakeops.cake_rmsnorm_train import cake_rmsnorm
@@ -106,13 +108,13 @@ def forward(self, primals_1, primals_2):
     getitem = rmsnorm_fwd[0]
     getitem_1 = rmsnorm_fwd[1];  rmsnorm_fwd = None
     detach = torch.ops.aten.detach.default(getitem_1);  getitem_1 = None
-    view = torch.ops.aten.view.default(getitem, [8, 16]);  getitem = None
-    return (view, primals_1, primals_2, detach)""")
+    _unsafe_view = torch.ops.aten._unsafe_view.default(getitem, [8, 16]);  getitem = None
+    return (_unsafe_view, primals_1, primals_2, detach)""")
     assert_expected_inline(graphs["backward"], """\
 def forward(self, primals_1, primals_2, detach, tangents_1):
-    view_1 = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
+    view = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
     detach_1 = torch.ops.aten.detach.default(detach);  detach = None
-    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view_1, primals_1, primals_2, detach_1, None, True);  view_1 = primals_1 = primals_2 = detach_1 = None
+    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view, primals_1, primals_2, detach_1, None, True);  view = primals_1 = primals_2 = detach_1 = None
     getitem_2 = rmsnorm_bwd[0]
     getitem_3 = rmsnorm_bwd[1];  rmsnorm_bwd = None
     return (getitem_2, getitem_3)""")
@@ -131,16 +133,36 @@ def forward(self, primals_1, primals_2, primals_3):
     getitem_2 = add_rmsnorm_fwd[2];  add_rmsnorm_fwd = None
     detach = torch.ops.aten.detach.default(getitem_2)
     detach_1 = torch.ops.aten.detach.default(getitem_1);  getitem_1 = None
-    view = torch.ops.aten.view.default(getitem, [8, 16]);  getitem = None
-    view_1 = torch.ops.aten.view.default(getitem_2, [8, 16]);  getitem_2 = None
-    return (view, view_1, primals_2, detach, detach_1)""")
+    _unsafe_view = torch.ops.aten._unsafe_view.default(getitem, [8, 16]);  getitem = None
+    _unsafe_view_1 = torch.ops.aten._unsafe_view.default(getitem_2, [8, 16]);  getitem_2 = None
+    return (_unsafe_view, _unsafe_view_1, primals_2, detach, detach_1)""")
     assert_expected_inline(graphs["backward"], """\
 def forward(self, primals_2, detach, detach_1, tangents_1, tangents_2):
-    view_2 = torch.ops.aten.view.default(tangents_2, [8, 16]);  tangents_2 = None
-    view_3 = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
+    view = torch.ops.aten.view.default(tangents_2, [8, 16]);  tangents_2 = None
+    view_1 = torch.ops.aten.view.default(tangents_1, [8, 16]);  tangents_1 = None
     detach_2 = torch.ops.aten.detach.default(detach);  detach = None
     detach_3 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
-    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view_3, detach_2, primals_2, detach_3, view_2, True);  view_3 = detach_2 = primals_2 = detach_3 = view_2 = None
+    rmsnorm_bwd = torch.ops.cakeops.rmsnorm_bwd.default(view_1, detach_2, primals_2, detach_3, view, True);  view_1 = detach_2 = primals_2 = detach_3 = view = None
     getitem_3 = rmsnorm_bwd[0]
     getitem_4 = rmsnorm_bwd[1];  rmsnorm_bwd = None
     return (getitem_3, getitem_4, getitem_3)""")
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(8, 16), (2, 4, 16)], ids=["2d", "3d"])
+def test_outputs_are_not_views_to_regenerate(shape, with_residual):
+    """y and h_new leave the compiled graph as plain outputs: none aliases an intermediate, which AOTAutograd would
+    hide with an ``aten._unsafe_view`` dispatched per output at every call (host time)."""
+    seen = []
+
+    def forward_compiler(gm, example_inputs):
+        seen.append([str(o.output_type) for o in torch._guards.TracingContext.get().fw_metadata.output_info])
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    x = torch.randn(*shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(shape[-1], device=DEVICE, requires_grad=True)
+    r = torch.randn(*shape, device=DEVICE, requires_grad=True) if with_residual else None
+    torch._dynamo.reset()
+    torch.compile(lambda x, w, r: cake_rmsnorm(x, w, 1e-6, r), fullgraph=True, backend=backend)(x, w, r)
+    assert seen == [["OutputType.non_alias"] * (2 if with_residual else 1)]

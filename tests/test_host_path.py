@@ -31,3 +31,32 @@ def test_rmsnorm_launchers_use_plain_host_arithmetic(triton_kernels, no_triton_h
     w = torch.randn(H, device=DEVICE, requires_grad=True)
     cake_rmsnorm(x, w, 1e-6).backward(torch.randn(3, H, device=DEVICE))
     assert x.grad.isfinite().all() and w.grad.isfinite().all()
+
+
+def test_rmsnorm_backward_shape_is_worked_out_once_per_size(triton_kernels):
+    """The default backward's launch shape (tile, persistent grid) is cached per (device, T, H, dtype size): the
+    same sizes again take the cached entry, any other size or dtype a new one, and the launch computes the same
+    bits as one whose shape is worked out on the call (an explicit default config)."""
+    from cakeops._triton.rmsnorm import RMSNormConfig, _default_backward_shape, backward
+    from cakeops.reference import rmsnorm as reference
+    from cakeops.testing import rel_err
+
+    _default_backward_shape.cache_clear()
+    for T, H, dtype, new in ((33, 40, torch.bfloat16, True), (33, 40, torch.bfloat16, False),
+                             (34, 40, torch.bfloat16, True), (33, 48, torch.bfloat16, True),
+                             (33, 40, torch.float32, True)):
+        x = torch.randn(T, H, device=DEVICE, dtype=dtype)
+        w, g = torch.randn(H, device=DEVICE), torch.randn_like(x)
+        rstd = torch.rand(T, device=DEVICE) + 0.5
+        misses = _default_backward_shape.cache_info().misses
+        outs = []
+        for config in (None, RMSNormConfig()):
+            dx, dw = torch.empty_like(x), torch.empty(H, device=DEVICE)
+            backward(g, x, w, rstd, dx, dw, config=config)
+            outs.append((dx, dw))
+        assert _default_backward_shape.cache_info().misses == misses + new
+        assert _default_backward_shape(x.device, T, H, x.element_size()) == \
+            RMSNormConfig().backward_shape(x.device, T, H, x.element_size())
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+        ref_dx, ref_dw = reference.backward(g, x, w, rstd)
+        assert rel_err(outs[0][0], ref_dx) <= 1e-2 and rel_err(outs[0][1], ref_dw) <= 1e-5

@@ -39,10 +39,11 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
     x, w = unit_last(x), unit_last(w)
     residual = None if residual is None else unit_last(residual)
     T, H = x.shape
-    y = torch.empty((T, H), dtype=x.dtype, device=x.device) if y is None else y
-    rstd = torch.empty((T,), dtype=torch.float32, device=x.device) if rstd is None else rstd
+    # new_empty with the sizes as separate ints: half the host time of torch.empty((T, H), dtype=, device=)
+    y = x.new_empty(T, H) if y is None else y
+    rstd = x.new_empty(T, dtype=torch.float32) if rstd is None else rstd
     if residual is not None and h_out is None:
-        h_out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        h_out = x.new_empty(T, H)
     if _backend.use_triton(x):
         switch = _backend.device_switch(x)
         if switch is None:
@@ -64,16 +65,19 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
                   dx: Optional[Tensor] = None, dw: Optional[Tensor] = None,
                   dw_dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
     """``dw_dtype``: the dtype of a dw allocated here. The FP32 sum is rounded once into it by the deterministic
-    reduction (the bits of ``dw.to(dw_dtype)``, one launch fewer); ``deterministic=False`` keeps FP32 (atomics)."""
+    reduction (the bits of ``dw.to(dw_dtype)``, one launch fewer); FP32 where the kernels cannot round it:
+    ``deterministic=False`` (atomics) and Triton's interpreter (``ROUNDS_TO_NEAREST``). The caller casts the rest."""
     if not deterministic:
         alert_not_deterministic("cakeops rmsnorm backward with deterministic=False")
     g, x, w = unit_last(g), unit_last(x), unit_last(w)
     g_residual = None if g_residual is None else unit_last(g_residual)
     T, H = x.shape
-    dx = torch.empty((T, H), dtype=x.dtype, device=x.device) if dx is None else dx
+    use_triton = _backend.use_triton(x)
+    dx = x.new_empty(T, H) if dx is None else dx
     if dw is None:
-        dw = torch.empty((H,), dtype=dw_dtype if deterministic else torch.float32, device=x.device)
-    if _backend.use_triton(x):
+        rounds = deterministic and (not use_triton or _triton_kernels().ROUNDS_TO_NEAREST)
+        dw = x.new_empty(H, dtype=dw_dtype if rounds else torch.float32)
+    if use_triton:
         switch = _backend.device_switch(x)
         if switch is None:
             _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
@@ -89,12 +93,10 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
 
 def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
                    deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype straight from the kernels.
-    Not under Triton's interpreter: its FP32 -> bf16/fp16 cast truncates where the GPU (and torch's ``.to``)
-    rounds to nearest, and the eager and compiled paths must give the same bits there too."""
-    dw_dtype = torch.float32 if _backend.interpreting() else w.dtype
-    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=dw_dtype)
-    return dX, dw.to(w.dtype)
+    """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype, straight from the kernels
+    where they round it (the eager and compiled paths give the same bits either way)."""
+    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
+    return dX, (dw if dw.dtype == w.dtype else dw.to(w.dtype))
 
 
 # The ops' bodies without their argument checks: what compiled graphs call (inductor.define_unchecked).

@@ -26,6 +26,10 @@ def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BL
 
 _launch = fast(_sum_partials_kernel)  # all arguments positional: ACCUMULATE, BLOCK_P, BLOCK last
 
+# Whether an OUT narrower than FP32 gets the sum rounded to nearest even: compiled, yes; Triton's interpreter (a
+# Python function in place of the kernel, decided when it was decorated) truncates instead.
+ROUNDS_TO_NEAREST = isinstance(_sum_partials_kernel, triton.runtime.jit.JITFunction)
+
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,
                  block_p: int = 32) -> None:

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .fast_launch import fast
 from .launch import cdiv, persistent_programs, tile_config
-from .partials import sum_partials
+from .partials import ROUNDS_TO_NEAREST, sum_partials  # noqa: F401 - the ops read ROUNDS_TO_NEAREST here
 
 
 @triton.jit
@@ -221,31 +221,28 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
         rows, block, chunks, warps = _default_forward_tile(H, x.element_size(), has_res)
     else:
         rows, block, chunks, warps = config.forward_tile(H, x.element_size(), has_res)
-    r = residual if has_res else x
-    h = h_out if has_res else y
+    sx, sy = x.stride(0), y.stride(0)
+    if has_res:
+        r, h, sr, sh = residual, h_out, residual.stride(0), h_out.stride(0)
+    else:  # R and H_OUT are never read or written: any valid pointers
+        r, h, sr, sh = x, y, sx, sy
     _fwd_launch((cdiv(T, rows),), (
-        x, r, w, y, h, rstd, T, H, x.stride(0), r.stride(0), y.stride(0), h.stride(0), eps,
+        x, r, w, y, h, rstd, T, H, sx, sr, sy, sh, eps,
         has_res, rows, block, chunks,  # HAS_RESIDUAL, ROWS, BLOCK, NUM_CHUNKS
     ), warps)
 
 
-@functools.lru_cache(maxsize=None)
-def _default_backward_tile(H: int, elem_bytes: int):
-    return tile_config(H, elem_bytes, tile_elems=4096, thread_bytes=32)
-
-
-def _backward_shape(device: torch.device, T: int, H: int, elem_bytes: int, config: Optional[RMSNormConfig] = None):
-    if config is not None:
-        return config.backward_shape(device, T, H, elem_bytes)
-    # RMSNormConfig().backward_shape, with the T-independent tile cached
-    rows, block, chunks, warps = _default_backward_tile(H, elem_bytes)
-    programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, RMSNormConfig.warps_per_sm // warps))
-    return rows, block, chunks, warps, programs
+@functools.lru_cache(maxsize=4096)
+def _default_backward_shape(device: torch.device, T: int, H: int, elem_bytes: int):
+    # Worked out once per (device, sizes), not per call: the persistent grid reads the device's SM count besides
+    # the tile. ``device`` is always a tensor's: a CUDA one carries its index, so no entry depends on which device
+    # was current when it was made. Bounded: T may take many values.
+    return RMSNormConfig().backward_shape(device, T, H, elem_bytes)
 
 
 def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) -> int:
     """Rows of the FP32 [P, H] dw-partials workspace the deterministic backward uses for these sizes."""
-    return _backward_shape(device, T, H, elem_bytes)[4]
+    return RMSNormConfig().backward_shape(device, T, H, elem_bytes)[4]
 
 
 def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
@@ -260,7 +257,10 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
         if not accumulate_dw:
             dw.zero_()
         return
-    rows, block, chunks, warps, programs = _backward_shape(x.device, T, H, x.element_size(), config)
+    if config is None:
+        rows, block, chunks, warps, programs = _default_backward_shape(x.device, T, H, x.element_size())
+    else:
+        rows, block, chunks, warps, programs = config.backward_shape(x.device, T, H, x.element_size())
     atomic = not deterministic and chunks == 1
     if dw.dtype != torch.float32 and (atomic or accumulate_dw):
         raise ValueError("backward: dw must be FP32 with atomics or accumulate_dw")
@@ -271,16 +271,17 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
     else:
         need = programs * H
         if workspace is None or workspace.numel() < need:
-            target = torch.empty((programs, H), device=x.device, dtype=torch.float32)
+            target = x.new_empty(programs, H, dtype=torch.float32)
         else:
             target = workspace[:need].view(programs, H)
         if chunks > 1:
             target.zero_()
     has_gres = g_residual is not None
-    gres = g_residual if has_gres else g
+    sg = g.stride(0)
+    gres, sgres = (g_residual, g_residual.stride(0)) if has_gres else (g, sg)  # GRES unread without it
     _bwd_launch((programs,), (
         g, x, w, rstd, gres, dx, target, T, H,
-        g.stride(0), x.stride(0), gres.stride(0), dx.stride(0), H,
+        sg, x.stride(0), sgres, dx.stride(0), H,
         has_gres, atomic, rows, block, chunks,  # HAS_GRES, ATOMIC_DW, ROWS, BLOCK, NUM_CHUNKS
     ), warps)
     if not atomic:
