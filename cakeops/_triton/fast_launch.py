@@ -112,6 +112,16 @@ def _make_binder(kernel):
     return namespace["bind"]
 
 
+def _options(num_warps: int, num_stages: Optional[int], maxnreg: Optional[int]) -> dict:
+    """Triton's launch options as ``kernel[grid]`` takes them: None leaves Triton's default."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return options
+
+
 class FastKernel:
     """A Triton ``@jit`` kernel launched through a per-specialization cache (module docstring)."""
 
@@ -134,14 +144,14 @@ class FastKernel:
 
     def launch(self, grid: Tuple[int, ...], args: Sequence, kwargs: dict) -> None:
         if self.usable:
-            options = dict(kwargs)
-            num_warps = options.pop("num_warps", 4)
-            num_stages, maxnreg = options.pop("num_stages", None), options.pop("maxnreg", None)
+            # kwargs is this call's own dict (from __getitem__'s lambda): the options can be taken out of it
+            num_warps = kwargs.pop("num_warps", 4)
+            num_stages, maxnreg = kwargs.pop("num_stages", None), kwargs.pop("maxnreg", None)
             try:
-                bound = self.bind(*args, **options)
+                bound = self.bind(*args, **kwargs)
             except TypeError:  # another launch option (the route does not key on it) or a wrong call
-                bound = None
-            if bound is not None:
+                kwargs.update(_options(num_warps, num_stages, maxnreg))
+            else:
                 self.run(grid, bound, num_warps, num_stages, maxnreg)
                 return
         self.kernel[grid](*args, **kwargs)  # the interpreter too
@@ -152,11 +162,6 @@ class FastKernel:
     def run(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: Optional[int] = None,
             maxnreg: Optional[int] = None) -> None:
         """Launches with every argument positional in signature order (constexprs included)."""
-        options = {"num_warps": num_warps}
-        if num_stages is not None:
-            options["num_stages"] = num_stages
-        if maxnreg is not None:
-            options["maxnreg"] = maxnreg
         if self.usable and len(args) == len(self.constexpr) and not self.kernel.pre_run_hooks:
             runtime = _knobs.runtime
             if _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook):
@@ -165,7 +170,7 @@ class FastKernel:
                         self.key_fn = _make_key_fn(self.constexpr, args)
                     except TypeError:  # an argument kind the key does not know (None for a pointer, ...)
                         self.usable = False
-                        self.kernel[grid](*args, **options)
+                        self.kernel[grid](*args, **_options(num_warps, num_stages, maxnreg))
                         return
                 drv = _driver.active
                 device = drv.get_current_device()
@@ -178,13 +183,13 @@ class FastKernel:
                     run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                         drv.get_current_stream(device), function, metadata, None, None, None, *args)
                     return
-                compiled = self.kernel[grid](*args, **options)
+                compiled = self.kernel[grid](*args, **_options(num_warps, num_stages, maxnreg))
                 # Keep only a finished, loaded kernel (async compilation hands back a future; a kernel whose
                 # handles failed to load raises inside Triton and is never kept).
                 if key is not None and isinstance(compiled, _CompiledKernel) and compiled.function is not None:
                     self.routes[key] = (compiled.run, compiled.function, compiled.packed_metadata)
                 return
-        self.kernel[grid](*args, **options)
+        self.kernel[grid](*args, **_options(num_warps, num_stages, maxnreg))
 
 
 _FAST: Dict[int, FastKernel] = {}  # by id: a JITFunction's own hash computes its cache key

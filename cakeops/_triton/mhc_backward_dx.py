@@ -99,25 +99,12 @@ def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
         dz_t = tl.load(DZ + t64[None, :] * M_PAD + m[:, None], mask=t_ok[None, :] & (m < M)[:, None], other=0.0)
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
-        acc = _dz_t_dot(dz_t, x, acc, PRECISION, SPLIT_BF16, INTERPRET)
-    _dfn_rows_store(DFN, acc, m, i, c, C, M, N, ATOMIC)
-
-
-@triton.jit
-def _dz_t_dot(dz_t, x, acc, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += dz_t @ x: as bf16 hi + lo pieces of dz_t against x as loaded (SPLIT_BF16), else TF32 on FP32 x."""
-    if SPLIT_BF16:
-        dz_hi, dz_lo = bf16_pieces(dz_t)
-        acc = dot_bf16(dz_hi, x, acc, INTERPRET)
-        acc = dot_bf16(dz_lo, x, acc, INTERPRET)
-    else:
-        acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _dfn_rows_store(DFN, acc, m, i, c, C, M, N: tl.constexpr, ATOMIC: tl.constexpr):
-    """Kernel C's rows m of dfn at stream i's columns c: into dfn itself (ATOMIC) or its token split's partials."""
+        if SPLIT_BF16:
+            dz_hi, dz_lo = bf16_pieces(dz_t)
+            acc = dot_bf16(dz_hi, x, acc, INTERPRET)
+            acc = dot_bf16(dz_lo, x, acc, INTERPRET)
+        else:
+            acc = tl.dot(dz_t, x.to(tl.float32), acc, input_precision=PRECISION)
     dst = m[:, None] * (N * C) + i * C + c[None, :]
     ok = (m < M)[:, None] & (c < C)[None, :]
     if ATOMIC:

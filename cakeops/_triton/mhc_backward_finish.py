@@ -72,9 +72,10 @@ def reduce_params(part: torch.Tensor, dbase: torch.Tensor, dscale: torch.Tensor,
                   n: int = layout.N_STREAMS) -> None:
     """dbase [M], dscale [3] (+)= the fixed-order sums of kernel A's P partial rows ``part`` [P, 2 * M_PAD]
     (M_PAD = mhc_columns.logits_pad(n)) for n streams."""
-    fast(_params_reduce_kernel)[(layout.n_logits(n) + 3,)](part, dbase, dscale, P, N=n, M_PAD=logits_pad(n),
-                                                     ACCUMULATE=accumulate, BLOCK_P=min(256, next_power_of_2(P)),
-                                                     num_warps=4)
+    fast(_params_reduce_kernel)[(layout.n_logits(n) + 3,)](
+        part, dbase, dscale, P, N=n, M_PAD=logits_pad(n), ACCUMULATE=accumulate,
+        BLOCK_P=min(256, next_power_of_2(P)), num_warps=4,
+    )
 
 
 # ------------------------------------------------------------------------------------------------
