@@ -69,8 +69,11 @@ def test_key_is_at_least_as_fine_as_triton_specialization(which):
     seen = {}
     for _ in range(400):
         args = _sample(jit, rng, base)
-        key = key_fn(0, 4, *args)
-        assert key is not None
+        keyed = key_fn(0, 4, *args)
+        assert keyed is not None
+        key, passed = keyed
+        # the launcher receives the arguments as given, tensors as their data pointers
+        assert passed == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         spec = specialize(*args)
         assert seen.setdefault(key, spec) == spec, "one fast-launch key for two Triton specializations"
     assert len(seen) > 50  # the samples did vary what Triton keys on
@@ -93,8 +96,9 @@ def test_constexprs_and_options_are_keyed_by_value():
     jit, _ = _binder(partials._sum_partials_kernel)
     part = _launch_args()[2][1]
     key_fn = fast_launch._make_key_fn(tuple(p.is_constexpr for p in jit.params), part)
-    keys = {key_fn(0, 4, *part), key_fn(1, 4, *part), key_fn(0, 8, *part),
-            key_fn(0, 4, *part[:5], True, 32, 64), key_fn(0, 4, *part[:6], 16, 64), key_fn(0, 4, *part[:7], 128)}
+    keys = {key_fn(0, 4, *part)[0], key_fn(1, 4, *part)[0], key_fn(0, 8, *part)[0],
+            key_fn(0, 4, *part[:5], True, 32, 64)[0], key_fn(0, 4, *part[:6], 16, 64)[0],
+            key_fn(0, 4, *part[:7], 128)[0]}
     assert len(keys) == 6
 
 
@@ -129,10 +133,36 @@ _ROUTE_SCRIPT = textwrap.dedent('''
     assert fast_launch._ENABLED, "fast launch disabled"
     calls = collections.defaultdict(list)
 
+    # What the launcher received, position by position: a pointer (a tensor from Triton's path, its data pointer as
+    # an int from the cached route) as (address, the tensor FastKernel.run was given there), else (type, value).
+    given = []
+    pointers_as_ints = []  # one flag per launch: did the launcher receive every pointer as an int?
+    _run = fast_launch.FastKernel.run
+
+    def run(self, grid, args, *rest, **kw):
+        given[:] = args
+        return _run(self, grid, args, *rest, **kw)
+
+    fast_launch.FastKernel.run = run
+
+    def received(args):
+        assert len(args) == len(given)
+        pointers_as_ints.append(all(type(a) is int for a, g in zip(args, given) if isinstance(g, torch.Tensor)))
+        out = []
+        for a, g in zip(args, given):
+            if isinstance(g, torch.Tensor):
+                address = a.data_ptr() if isinstance(a, torch.Tensor) else a
+                assert type(address) is int and address == g.data_ptr(), (a, g.data_ptr())
+                out.append((address, g))
+            else:
+                assert type(a) is type(g) and a == g, (a, g)
+                out.append((type(a), a))
+        return out
+
     def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
         # launch_metadata and the hooks differ by design: Triton passes its (empty) hook chains, the route None
         calls[name].append((gx, gy, gz, stream, function, metadata, tuple(
-            (a.data_ptr(), a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+            (p[0], p[1].dtype, tuple(p[1].shape)) if isinstance(p[1], torch.Tensor) else p for p in received(args))))
 
     with fake_driver(launcher):
         x = torch.randn(6, 40).bfloat16().requires_grad_()
@@ -153,6 +183,8 @@ _ROUTE_SCRIPT = textwrap.dedent('''
         strip = lambda c: c[:6] + (tuple(a[1:] if len(a) == 3 else a for a in c[6]),)
         assert strip(first) == strip(second), (name, first, second)
         assert len(first[6]) == len(second[6])
+    # Triton's path hands the launcher tensors; the cached route their data pointers (ints)
+    assert pointers_as_ints == [False] * 3 + [True] * 3, pointers_as_ints
     print("routes ok", {n: len(c) for n, c in calls.items()})
 ''')
 
@@ -213,9 +245,36 @@ _MHC_ROUTE_SCRIPT = textwrap.dedent('''
     assert fast_launch._ENABLED, "fast launch disabled"
     calls = collections.defaultdict(list)
 
+    # What the launcher received, position by position: a pointer (a tensor from Triton's path, its data pointer as
+    # an int from the cached route) as (address, the tensor FastKernel.run was given there), else (type, value).
+    given = []
+    pointers_as_ints = []  # one flag per launch: did the launcher receive every pointer as an int?
+    _run = fast_launch.FastKernel.run
+
+    def run(self, grid, args, *rest, **kw):
+        given[:] = args
+        return _run(self, grid, args, *rest, **kw)
+
+    fast_launch.FastKernel.run = run
+
+    def received(args):
+        assert len(args) == len(given)
+        pointers_as_ints.append(all(type(a) is int for a, g in zip(args, given) if isinstance(g, torch.Tensor)))
+        out = []
+        for a, g in zip(args, given):
+            if isinstance(g, torch.Tensor):
+                address = a.data_ptr() if isinstance(a, torch.Tensor) else a
+                assert type(address) is int and address == g.data_ptr(), (a, g.data_ptr())
+                out.append((address, g))
+            else:
+                assert type(a) is type(g) and a == g, (a, g)
+                out.append((type(a), a))
+        return out
+
     def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
         calls[name].append((gx, gy, gz, stream, function, metadata, tuple(
-            (a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+            (p[1].dtype, tuple(p[1].shape), p[1].stride()) if isinstance(p[1], torch.Tensor) else p
+            for p in received(args))))
 
     with fake_driver(launcher):
         layer = host.paths(40, 48, torch.device("cpu"))["eager"]

@@ -11,7 +11,9 @@ small sizes, and a large share of the public RMSNorm path's host time (three lau
 specialization (see ``_arg_key``) -- to the compiled kernel that Triton returned for that key, and launches it
 the way ``JITFunction.run`` does: ``compiled.run(grid_x, grid_y, grid_z, stream, function, packed_metadata,
 launch_metadata, enter_hook, exit_hook, *all_arguments)``. That call is the same in triton 3.6, 3.7 and 3.8
-(and is what ``CompiledKernel.__getitem__`` does too). Triton's own path is taken whenever the cached route does
+(and is what ``CompiledKernel.__getitem__`` does too). Tensors reach the launcher as their data pointers (ints,
+read once for the key): given a tensor, Triton's C launcher calls ``data_ptr()`` again and a driver query per
+tensor argument (``_arg_key``). Triton's own path is taken whenever the cached route does
 not apply: the first call of a key (Triton compiles or loads it, and we keep what it returns), the interpreter
 (``TRITON_INTERPRET=1``: no compiled kernel), a triton version outside the checked range, launch hooks
 installed (profilers such as proton see every launch as before), pre-run hooks on the kernel, and
@@ -59,36 +61,42 @@ try:  # the names JITFunction.run reads; missing ones disable the fast route
 except ImportError:  # pragma: no cover - a triton this module was not written for
     _ENABLED = False
 
-def _arg_key(name: str, arg, constexpr: bool) -> Tuple[str, str]:
-    """(type check, key terms) of one argument, as source text, for the generated key function.
+def _arg_key(name: str, arg, constexpr: bool) -> Tuple[str, str, str]:
+    """(type check, key terms, launcher argument) of one argument, as source text, for the generated key function.
 
-    What Triton's specialization of a runtime argument can depend on, or finer. Tensors: dtype and whether the
-    data pointer is 16-byte aligned (Triton's "D" attribute). Ints: ``== 1`` (specialized to a constant),
+    Key: what Triton's specialization of a runtime argument can depend on, or finer. Tensors: dtype and whether
+    the data pointer is 16-byte aligned (Triton's "D" attribute). Ints: ``== 1`` (specialized to a constant),
     divisibility by 16 ("D"), and the integer type the value needs (i32 / i64 / u64). Floats and bools: not
     specialized (fp32 / u1), only their type is checked. Constexprs: their value (and type: ``True == 1``).
+    Launcher argument: a tensor's data pointer as an int (read once, for the key too), everything else as given.
+    Triton's launcher (3.6-3.8) takes an int pointer as is; given a tensor it calls ``data_ptr()`` again and asks
+    the driver (``cuPointerGetAttribute``) whether the address is device memory, per tensor and launch. That check
+    guards against CPU tensors; the launchers here only ever receive tensors on the launch's CUDA device (the
+    public layer checks devices before any launcher runs).
     """
     if constexpr:
-        return f"type({name}) is T{name}", f"{name},"
+        return f"type({name}) is T{name}", f"{name},", name
     if isinstance(arg, torch.Tensor):
-        return f"isinstance({name}, Tensor)", f"{name}.dtype, {name}.data_ptr() % 16 == 0,"
+        return f"isinstance({name}, Tensor)", f"{name}.dtype, (p{name} := {name}.data_ptr()) % 16 == 0,", f"p{name}"
     if type(arg) is int:
         return (f"type({name}) is int",
-                f"{name} == 1, {name} % 16 == 0, -2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807,")
+                f"{name} == 1, {name} % 16 == 0, -2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807,",
+                name)
     if type(arg) in (float, bool):
-        return f"type({name}) is T{name}", ""
+        return f"type({name}) is T{name}", "", name
     raise TypeError(f"unsupported argument type {type(arg).__name__}")
 
 
 def _make_key_fn(constexpr: Sequence[bool], args: Sequence):
-    """A function ``(device, num_warps, *args) -> key``, generated for the argument types of this call: one
-    Python frame and no per-argument calls, since the key is computed on every launch. It returns None when a
-    later call's argument types differ from these (the caller then takes Triton's own path)."""
+    """A function ``(device, num_warps, *args) -> (key, launcher arguments)``, generated for the argument types of
+    this call: one Python frame and no per-argument calls, since the key is computed on every launch. It returns
+    None when a later call's argument types differ from these (the caller then takes Triton's own path)."""
     names = [f"a{i}" for i in range(len(args))]
-    checks, terms = zip(*(_arg_key(n, a, c) for n, a, c in zip(names, args, constexpr)))
+    checks, terms, passed = zip(*(_arg_key(n, a, c) for n, a, c in zip(names, args, constexpr)))
     src = (f"def key(device, num_warps, {', '.join(names)}):\n"
            f"    if not ({' and '.join(checks)}):\n"
            f"        return None\n"
-           f"    return (device, num_warps, {' '.join(terms)})\n")
+           f"    return (device, num_warps, {' '.join(terms)}), ({', '.join(passed)},)\n")
     namespace = {"Tensor": torch.Tensor, **{f"T{n}": type(a) for n, a in zip(names, args)}}
     exec(src, namespace)  # noqa: S102 - source built above from argument kinds only
     return namespace["key"]
@@ -175,13 +183,14 @@ class FastKernel:
                 drv = _driver.active
                 device = drv.get_current_device()
                 # Triton's options (num_warps, num_stages, maxnreg, debug, instrumentation) are part of its key too.
-                key = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode, num_stages,
-                                   maxnreg), num_warps, *args)
+                keyed = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode, num_stages,
+                                     maxnreg), num_warps, *args)
+                key = None if keyed is None else keyed[0]
                 route = None if key is None else self.routes.get(key)
                 if route is not None:
                     run, function, metadata = route
                     run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                        drv.get_current_stream(device), function, metadata, None, None, None, *args)
+                        drv.get_current_stream(device), function, metadata, None, None, None, *keyed[1])
                     return
                 compiled = self.kernel[grid](*args, **_options(num_warps, num_stages, maxnreg))
                 # Keep only a finished, loaded kernel (async compilation hands back a future; a kernel whose
