@@ -55,6 +55,15 @@ def triton_kernels():
         yield
 
 
+@pytest.fixture
+def opaque_rmsnorm(monkeypatch):
+    """The RMSNorm ops kept as ops under torch.compile on a GPU too, where they are otherwise traced as their
+    kernels (cakeops/_ops/inductor.py): for tests of the op-level graphs."""
+    from cakeops._ops import inductor
+
+    monkeypatch.setattr(inductor, "_VISIBLE", False)
+
+
 def test_seed(nodeid: str) -> int:
     """The seed of a test, the same in every process and run (crc32 of its id, unlike ``hash``)."""
     return zlib.crc32(nodeid.encode())

@@ -17,6 +17,16 @@ tests), their launchers own host-side work that tracing would have to reproduce 
 from the GPU's SM count, device switches, workspaces), and compiled results would stop being the eager bits.
 The fallback keeps one implementation per op, called the same way eagerly and compiled.
 
+On a GPU the RMSNorm ops go one step further (``register_visible_kernels``): torch.compile traces, in the op's
+place, the body that launches its kernels through ``torch.library.wrap_triton`` -- what ``torch.library.triton_op``
+does, done here as a rule of the op under AOTAutograd's functionalization, so the op itself stays one op in
+eager code, in exported programs and on CPU. Inductor then allocates the outputs and launches the kernels from
+its own generated code: per call, none of the Python a fallback kernel runs (the dispatcher's call into Python,
+the op's body, the launch cache's key). The kernels and their launch shapes are the eager path's, so the results
+are the same bits. It applies where the launch is static: CUDA tensors, the compiled Triton (not the
+interpreter), sizes that are plain ints (with symbolic sizes the launch shape would be a guard per size: the
+fallback below serves those), and not inside ``torch.export``; ``CAKEOPS_INDUCTOR_KERNELS=0`` turns it off.
+
 The fallback kernel is not the op itself but its unchecked twin (``define_unchecked``): compiled graphs skip the
 Python a ``custom_op`` runs per call, which made the compiled public RMSNorm path host-bound (H200, T=16384
 H=4096 fwd+bwd: 1225 -> 785 us per call, docs/perf.md).
@@ -28,11 +38,14 @@ them (AOTAutograd) before it lowers it. If the internals ever move, the ops keep
 path, with a warning on the torch versions whose implicit path is slow at depth.
 """
 import functools
+import os
 import sys
 import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from .. import _backend
 
 _OPS: List[torch._ops.OpOverload] = []
 _UNCHECKED: Dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
@@ -58,6 +71,47 @@ def register_fake(op, fake: Callable, unchecked: Optional[Callable] = None) -> N
     op.register_fake(fake_registering_fallbacks)
     if unchecked is not None:
         _UNCHECKED[overload] = define_unchecked(overload, fake, unchecked)
+
+
+_VISIBLE = os.environ.get("CAKEOPS_INDUCTOR_KERNELS", "1") != "0"
+
+
+def register_visible_kernels(op, body: Callable) -> None:
+    """Under AOTAutograd (torch.compile), ``op`` is traced as ``body`` (the op's arguments; its kernels launched
+    through wrap_triton) wherever ``_kernels_visible`` allows it, else kept as the op (module docstring)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def trace_body(mode, func, types, args, kwargs):
+        if not all(map(_plain, types)):  # a tensor subclass (DTensor) dispatches first
+            return NotImplemented
+        if _kernels_visible(args):
+            with mode:
+                return body(*args, **kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+
+    op.register_torch_dispatch(FunctionalTensorMode, trace_body)
+
+
+def _kernels_visible(args) -> bool:
+    if not (_VISIBLE and _compiled_triton(args[0])):
+        return False
+    if any(type(s) is not int for a in args if isinstance(a, torch.Tensor) for s in a.shape):
+        return False
+    from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+    return not custom_triton_ops_decomposition_disabled()
+
+
+def _compiled_triton(x: torch.Tensor) -> bool:
+    """Whether ``x``'s kernels are compiled Triton ones (CUDA, not the interpreter): what Inductor can launch."""
+    return x.is_cuda and not _backend.interpreting()
+
+
+def _plain(t: type) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return issubclass(t, FakeTensor) or t in (torch.Tensor, FunctionalTensor)
 
 
 def define_unchecked(op: torch._ops.OpOverload, fake: Callable, kernel: Callable) -> torch._ops.OpOverload:

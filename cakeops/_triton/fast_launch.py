@@ -210,3 +210,29 @@ def fast(kernel) -> FastKernel:
     if launcher is None or launcher.kernel is not kernel:
         launcher = _FAST[id(kernel)] = FastKernel(kernel)
     return launcher
+
+
+class TracedKernel:
+    """``kernel`` as torch.compile traces it: ``torch.library.wrap_triton(kernel)[grid](...)``, called like
+    FastKernel's positional form. In a graph being traced the launch becomes a node that Inductor compiles and
+    launches from its own generated code (no Python of cakeops per call); outside tracing wrap_triton hands the
+    call to Triton."""
+
+    __slots__ = ("kernel", "names")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.names = None  # the parameter names, read on the first call (the interpreter's kernels have none)
+
+    def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+        from torch.library import wrap_triton
+
+        if self.names is None:
+            self.names = tuple(p.name for p in self.kernel.params)
+        wrap_triton(self.kernel)[grid](**dict(zip(self.names, args)), num_warps=num_warps)
+
+
+def traced(kernel) -> TracedKernel:
+    """``kernel``'s launcher for the bodies that torch.compile traces (cakeops/_ops/inductor.py)."""
+    return TracedKernel(kernel)
+

@@ -1,0 +1,166 @@
+"""On a GPU torch.compile traces the RMSNorm ops as their kernels (cakeops/_ops/inductor.py,
+``register_visible_kernels``): Inductor launches them itself. What must hold: the traced bodies launch exactly what
+the eager path launches (same kernels, grids, arguments and compile options: the same bits), the ops stay ops where
+the launch is not static (CPU, the interpreter, symbolic sizes, torch.export, ``CAKEOPS_INDUCTOR_KERNELS=0``), and
+on a GPU Inductor's code calls no cakeops op and gives eager's bits.
+
+Without a GPU the launches are compared under a stand-in CUDA driver (triton's JIT, no interpreter: a subprocess),
+with the rule's device check opened to CPU tensors."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from cakeops.cake_rmsnorm_train import cake_rmsnorm
+from conftest import ON_GPU
+from graph_tools import aot_graph_codes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_LAUNCH_SCRIPT = textwrap.dedent('''
+    import collections, torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from triton.runtime.jit import JITFunction
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops.cake_rmsnorm_train import cake_rmsnorm
+    from cakeops._ops import inductor
+
+    inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    launches = collections.defaultdict(list)
+    compiles = []
+
+    def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
+        launches[name].append((gx, gy, gz, tuple(
+            (a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+
+    def diff(got, want):
+        return {k: [(i, a, b) for i, (a, b) in enumerate(zip(got.get(k, [None])[0][3], v[0][3])) if a != b]
+                + [len(got.get(k, [])), len(v)] for k, v in want.items()}
+
+    def compiled(fn, graphs, dynamic=False):
+        def capture(gm, example_inputs):
+            graphs.append(gm.code)
+            return make_boxed_func(gm.forward)
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True, dynamic=dynamic,
+                             backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+
+    with fake_driver(launcher):
+        stub = JITFunction._do_compile
+
+        def recording(self, key, signature, device, constexprs, options, attrs, warmup):
+            # what decides the binary: the kernel, its specialization and constexprs, the backend options
+            compiles.append(repr((self.fn.__name__, signature, constexprs, attrs, options)))
+            return stub(self, key, signature, device, constexprs, options, attrs, warmup)
+
+        JITFunction._do_compile = recording
+        g = torch.Generator().manual_seed(5)
+        for residual in (False, True):
+            for T, H in ((6, 40), (3, 20000)):  # one block per row; rows wider than a block (two passes, zeroed dw)
+                x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
+                w = torch.randn(H, generator=g).bfloat16().requires_grad_()
+                r = torch.randn(T, H, generator=g).bfloat16() if residual else None
+                dy = torch.randn(T, H, generator=g).bfloat16()
+                fn = lambda x, w, r: cake_rmsnorm(x, w, 1e-6, r)[0] if r is not None else cake_rmsnorm(x, w, 1e-6)
+                launches.clear()
+                fn(x, w, r).backward(dy)
+                eager, n_compiles = dict(launches), len(compiles)
+                launches.clear()
+                graphs = []
+                compiled(fn, graphs)(x, w, r).backward(dy)
+                assert dict(launches) == eager, (residual, T, H, diff(dict(launches), eager))
+                # every binary the traced launches asked for is one the eager path built: same specializations,
+                # constexprs and options (num_warps, num_stages), so the same code runs
+                assert set(compiles[n_compiles:]) <= set(compiles[:n_compiles]), compiles[n_compiles:]
+                del compiles[n_compiles:]
+                code = "\\n".join(graphs)
+                assert "triton_kernel_wrapper_functional" in code and "cakeops" not in code, code
+                assert "aten.clone" not in code and "aten.copy" not in code, code
+        names = sorted({c.split("'")[1] for c in compiles})
+        assert names == ["_rmsnorm_bwd_kernel", "_rmsnorm_fwd_kernel", "_sum_partials_kernel"], names
+
+        x = torch.randn(6, 40).bfloat16().requires_grad_()
+        w = torch.randn(40).bfloat16().requires_grad_()
+        # symbolic sizes: the op is kept (the fallback serves it)
+        graphs = []
+        torch._dynamo.reset()
+        xd = x.detach().clone().requires_grad_()
+        torch._dynamo.mark_dynamic(xd, 0)
+        compiled(lambda x, w: cake_rmsnorm(x, w, 1e-6), graphs)(xd, w).sum().backward()
+        assert "torch.ops.cakeops.rmsnorm_fwd" in graphs[0] and "triton_kernel_wrapper" not in graphs[0], graphs
+        # switched off
+        inductor._VISIBLE = False
+        graphs = []
+        compiled(lambda x, w: cake_rmsnorm(x, w, 1e-6), graphs)(x, w).sum().backward()
+        assert "torch.ops.cakeops.rmsnorm_fwd" in graphs[0] and "torch.ops.cakeops.rmsnorm_bwd" in graphs[1], graphs
+        inductor._VISIBLE = True
+        # torch.export keeps the op: exported programs stay high-level and free of kernel sources
+
+        class Norm(torch.nn.Module):
+            def forward(self, x, w):
+                return cake_rmsnorm(x, w, 1e-6)
+
+        exported = torch.export.export(Norm(), (x.detach(), w.detach()), strict=False)
+        assert "cakeops.rmsnorm_fwd" in str(exported.graph) and "triton_kernel" not in str(exported.graph)
+    print("launches ok")
+''')
+
+
+def test_traced_bodies_launch_what_eager_launches():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["CAKEOPS_FAST_LAUNCH"] = "0"  # eager launches through Triton's path too: the launcher sees tensors in both
+    done = subprocess.run([sys.executable, "-c", _LAUNCH_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert "launches ok" in done.stdout
+
+
+def test_cpu_graphs_keep_the_ops():
+    """Where Inductor cannot launch the kernels (CPU tensors here; the interpreter too) the graphs hold the ops."""
+    x = torch.randn(5, 24, requires_grad=True)
+    w = torch.randn(24, requires_grad=True)
+    graphs = aot_graph_codes(lambda x, w: cake_rmsnorm(x, w, 1e-6), x, w)
+    assert "torch.ops.cakeops.rmsnorm_fwd" in graphs["forward"]
+    assert "torch.ops.cakeops.rmsnorm_bwd" in graphs["backward"]
+    assert "triton_kernel_wrapper" not in graphs["forward"] + graphs["backward"]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Inductor launches the RMSNorm kernels itself only for CUDA tensors")
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("H", [1000, 20000])
+def test_inductor_launches_the_kernels_with_eager_bits(residual, H):
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator(device="cuda").manual_seed(H + residual)
+    T = 300
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16().requires_grad_()
+    r = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_() if residual else None
+    dy = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+
+    def fn(x, w, r):
+        return cake_rmsnorm(x, w, 1e-6, r)[0] if r is not None else cake_rmsnorm(x, w, 1e-6)
+
+    def step(f):
+        for t in (x, w, r):
+            if t is not None:
+                t.grad = None
+        y = f(x, w, r)
+        y.backward(dy)
+        return [y] + [t.grad for t in (x, w, r) if t is not None]
+
+    eager = step(fn)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    got, codes = run_and_get_code(step, compiled)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    code = "\n".join(codes)
+    assert "_rmsnorm_fwd_kernel" in code and "_rmsnorm_bwd_kernel" in code and "_sum_partials_kernel" in code
+    assert "torch.ops.cakeops" not in code, "a cakeops op left in the compiled code"
