@@ -164,3 +164,31 @@ def test_inductor_launches_the_kernels_with_eager_bits(residual, H):
     code = "\n".join(codes)
     assert "_rmsnorm_fwd_kernel" in code and "_rmsnorm_bwd_kernel" in code and "_sum_partials_kernel" in code
     assert "torch.ops.cakeops" not in code, "a cakeops op left in the compiled code"
+
+
+_BUILD_SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from cakeops._triton.rmsnorm import _rmsnorm_fwd_kernel as kernel
+
+    sig = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
+    sig.update({name: "*bf16" for name in ("X", "R", "W", "Y", "H_OUT")}, RSTD="*fp32")
+    consts = {"HAS_RESIDUAL": False, "ROWS": 2, "BLOCK": 1024, "NUM_CHUNKS": 1}
+    for eps_type in ("fp32", "fp64"):
+        src = ASTSource(kernel, {**sig, "eps": eps_type}, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ("cvt.rn.f32.f64" in ptx) == (eps_type == "fp64"), eps_type
+    print("builds ok")
+''')
+
+
+def test_forward_kernel_builds_with_the_scalar_types_inductor_passes():
+    """Inductor types a Python float argument of a traced launch as FP64 where Triton's launcher passes FP32:
+    the forward kernel must build for both (an sm_90 build, no GPU needed), converting eps to FP32 once."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "builds ok" in done.stdout

@@ -41,6 +41,8 @@ def _rmsnorm_fwd_kernel(
     T, H, stride_x, stride_r, stride_y, stride_h, eps,
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
 ):
+    # eps arrives as FP32 from Triton's launcher, as FP64 from Inductor's (a traced launch): one FP32 either way
+    eps = eps.to(tl.float32)
     row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row_ids < T
     rows = row_ids.to(tl.int64)[:, None]
