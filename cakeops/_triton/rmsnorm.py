@@ -42,7 +42,7 @@ def _rmsnorm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
 ):
     # eps arrives as FP32 from Triton's launcher, as FP64 from Inductor's (a traced launch): one FP32 either way
-    eps = eps.to(tl.float32)
+    eps = tl.cast(eps, tl.float32)
     row_ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row_ids < T
     rows = row_ids.to(tl.int64)[:, None]
