@@ -140,10 +140,10 @@ class GatedHeadConfig:
     dgate_x_per_stream: bool = True  # dgate pass: X as n tiles in dY's layout (False: one [n, tokens, cols] tile)
     dgate_reduce_per_chunk: bool = True  # dgate pass: reduce over columns every chunk (128 registers, not 255)
     dx_block_t: int = 16             # dX kernel: tokens per block (a tl.dot dimension, >= 16)
-    dx_elems: int = 256              # dX kernel: n * columns per program (64 columns at n = 4)
-    dx_warps: int = 4
+    dx_elems: Optional[int] = None   # dX kernel: n * columns per program (None: 256, 64 columns at n = 4; 128 at n = 2)
+    dx_warps: Optional[int] = None   # dX kernel: warps per program (None: 4; 2 at n = 2)
     dx_stages: Optional[int] = 2
-    dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 6, or 3 at n = 4 / 2 with dfn="fused")
+    dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 6, 8 at n = 2, 3 at n = 4 / 2 with "fused")
     dx_splits: Optional[int] = None
     dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
@@ -155,10 +155,20 @@ class GatedHeadConfig:
     dfn_per_sm: int = 2
     dfn_splits: Optional[int] = None
 
+    # n = 2's dX kernel at n = 4's shape (128 columns, 4 warps, 6 per SM) ran at 1955 GB/s of its traffic against
+    # 3504 at n = 4; 64 columns of 2 warps, 8 per SM: 220 against 343 us (H200, 2026-12-01, docs/perf.md)
     def dx_programs_per_sm(self, n: int) -> int:
         if self.dx_per_sm is not None:
             return self.dx_per_sm
-        return 6 if self.dfn == "separate" else (3 if n == 4 else 2)
+        if self.dfn != "separate":
+            return 3 if n == 4 else 2
+        return 8 if n == 2 else 6
+
+    def dx_elements(self, n: int) -> int:
+        return self.dx_elems if self.dx_elems is not None else (128 if n == 2 else 256)
+
+    def dx_num_warps(self, n: int) -> int:
+        return self.dx_warps if self.dx_warps is not None else (2 if n == 2 else 4)
 
     @staticmethod
     def candidates():
@@ -382,7 +392,8 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         blocks = cdiv(T, block_t)
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
-    dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elems // n), cfg.dx_programs_per_sm(n), cfg.dx_splits)
+    dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
+                cfg.dx_splits)
     dfn = dx
     if cfg.dfn == "separate":
         dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
@@ -447,7 +458,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
         X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
         N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_warps, **_stages(cfg.dx_stages),
+        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **_stages(cfg.dx_stages),
         **_register_cap(cfg.dx_maxnreg),
     )
     if not fused:
