@@ -155,8 +155,8 @@ class GatedHeadConfig:
     dfn_per_sm: int = 2
     dfn_splits: Optional[int] = None
 
-    # n = 2's dX kernel at n = 4's shape (128 columns, 4 warps, 6 per SM) ran at 1955 GB/s of its traffic against
-    # 3504 at n = 4; 64 columns of 2 warps, 8 per SM: 220 against 343 us (H200, 2026-12-01, docs/perf.md)
+    # n = 2's dX kernel: 64 columns of 2 warps, 8 per SM took 215 us in the backward against 239 at n = 4's shape
+    # (128 columns, 4 warps, 6 per SM); the backward 0.415 against 0.438 ms (H200, 2026-12-01, docs/perf.md)
     def dx_programs_per_sm(self, n: int) -> int:
         if self.dx_per_sm is not None:
             return self.dx_per_sm
