@@ -2,7 +2,8 @@
 ``register_visible_kernels``): Inductor launches them itself. What must hold: the traced bodies launch exactly what
 the eager path launches (same kernels, grids, arguments and compile options: the same bits), the ops stay ops where
 the launch is not static (CPU, the interpreter, symbolic sizes, torch.export, ``CAKEOPS_INDUCTOR_KERNELS=0``), and
-on a GPU Inductor's code calls no cakeops op and gives eager's bits.
+on a GPU Inductor's code calls no cakeops op and gives eager's bits. On by default only on the torch versions a GPU
+checked (``inductor.GPU_CHECKED_TORCH``).
 
 Without a GPU the launches are compared under a stand-in CUDA driver (triton's JIT, no interpreter: a subprocess),
 with the rule's device check opened to CPU tensors."""
@@ -31,6 +32,7 @@ _LAUNCH_SCRIPT = textwrap.dedent('''
     from cakeops._ops import inductor
 
     inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    inductor._VISIBLE = True  # on every torch here (by default only where a GPU ran it)
     launches = collections.defaultdict(list)
     compiles = []
 
@@ -134,8 +136,12 @@ def test_cpu_graphs_keep_the_ops():
 @pytest.mark.skipif(not ON_GPU, reason="Inductor launches the RMSNorm kernels itself only for CUDA tensors")
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("H", [1000, 20000])
-def test_inductor_launches_the_kernels_with_eager_bits(residual, H):
+def test_inductor_launches_the_kernels_with_eager_bits(residual, H, monkeypatch):
     from torch._inductor.utils import run_and_get_code
+
+    from cakeops._ops import inductor
+
+    monkeypatch.setattr(inductor, "_VISIBLE", True)  # on this torch whether or not it is on by default
 
     g = torch.Generator(device="cuda").manual_seed(H + residual)
     T = 300
@@ -192,3 +198,15 @@ def test_forward_kernel_builds_with_the_scalar_types_inductor_passes():
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "builds ok" in done.stdout
+
+
+def test_on_by_default_only_where_a_gpu_checked_it(monkeypatch):
+    from cakeops._ops import inductor
+
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    monkeypatch.delenv("CAKEOPS_INDUCTOR_KERNELS", raising=False)
+    assert inductor._visible_by_default() == (version in inductor.GPU_CHECKED_TORCH)
+    for chosen, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("CAKEOPS_INDUCTOR_KERNELS", chosen)
+        assert inductor._visible_by_default() is expected
+

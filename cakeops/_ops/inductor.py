@@ -25,7 +25,8 @@ its own generated code: per call, none of the Python a fallback kernel runs (the
 the op's body, the launch cache's key). The kernels and their launch shapes are the eager path's, so the results
 are the same bits. It applies where the launch is static: CUDA tensors, the compiled Triton (not the
 interpreter), sizes that are plain ints (with symbolic sizes the launch shape would be a guard per size: the
-fallback below serves those), and not inside ``torch.export``; ``CAKEOPS_INDUCTOR_KERNELS=0`` turns it off.
+fallback below serves those), and not inside ``torch.export``. On by default on the torch versions where a GPU
+ran it (``GPU_CHECKED_TORCH``); ``CAKEOPS_INDUCTOR_KERNELS=1`` / ``0`` turns it on / off on any.
 
 The fallback kernel is not the op itself but its unchecked twin (``define_unchecked``): compiled graphs skip the
 Python a ``custom_op`` runs per call, which made the compiled public RMSNorm path host-bound (H200, T=16384
@@ -73,7 +74,20 @@ def register_fake(op, fake: Callable, unchecked: Optional[Callable] = None) -> N
         _UNCHECKED[overload] = define_unchecked(overload, fake, unchecked)
 
 
-_VISIBLE = os.environ.get("CAKEOPS_INDUCTOR_KERNELS", "1") != "0"
+# The torch versions whose Inductor compiled and ran the traced kernels on a GPU, bit for bit as eager (H200,
+# torch 2.11, 2026-12-01): on by default there; elsewhere CAKEOPS_INDUCTOR_KERNELS=1 opts in (the traced bodies are
+# checked on CPU on every supported torch, Inductor's GPU code generation only where a GPU ran it).
+GPU_CHECKED_TORCH = ((2, 11),)
+
+
+def _visible_by_default() -> bool:
+    chosen = os.environ.get("CAKEOPS_INDUCTOR_KERNELS")
+    if chosen is not None:
+        return chosen != "0"
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) in GPU_CHECKED_TORCH
+
+
+_VISIBLE = _visible_by_default()
 
 
 def register_visible_kernels(op, body: Callable) -> None:
