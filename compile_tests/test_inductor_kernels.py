@@ -32,7 +32,7 @@ _LAUNCH_SCRIPT = textwrap.dedent('''
     from cakeops._ops import inductor
 
     inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
-    inductor._VISIBLE = True  # on every torch here (by default only where a GPU ran it)
+    inductor._TRACE = "checked"  # the GPU-checked ops on every torch here (by default only where a GPU ran them)
     launches = collections.defaultdict(list)
     compiles = []
 
@@ -96,11 +96,11 @@ _LAUNCH_SCRIPT = textwrap.dedent('''
         compiled(lambda x, w: cake_rmsnorm(x, w, 1e-6), graphs)(xd, w).sum().backward()
         assert "torch.ops.cakeops.rmsnorm_fwd" in graphs[0] and "triton_kernel_wrapper" not in graphs[0], graphs
         # switched off
-        inductor._VISIBLE = False
+        inductor._TRACE = "none"
         graphs = []
         compiled(lambda x, w: cake_rmsnorm(x, w, 1e-6), graphs)(x, w).sum().backward()
         assert "torch.ops.cakeops.rmsnorm_fwd" in graphs[0] and "torch.ops.cakeops.rmsnorm_bwd" in graphs[1], graphs
-        inductor._VISIBLE = True
+        inductor._TRACE = "checked"
         # torch.export keeps the op: exported programs stay high-level and free of kernel sources
 
         class Norm(torch.nn.Module):
@@ -113,14 +113,75 @@ _LAUNCH_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_traced_bodies_launch_what_eager_launches():
+_MHC_LAUNCH_SCRIPT = textwrap.dedent('''
+    import collections, torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_gated_head, cake_mhc_train_prepare
+    from cakeops.cake_rmsnorm_train import cake_rmsnorm
+    from cakeops._ops import inductor
+
+    inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    inductor._TRACE = "all"  # every op, as CAKEOPS_INDUCTOR_KERNELS=1 asks
+    launches = collections.defaultdict(list)
+
+    def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
+        launches[name].append((gx, gy, gz, tuple(
+            (a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+
+    def layer(X, fn, scale, base, w, gfn, gscale, gbase):
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=6)
+        Y = cake_mhc_train_finish(X, cake_rmsnorm(U, w, 1e-6), handle)
+        return cake_mhc_train_gated_head(Y, gfn, gscale, gbase, rms_eps=1e-6, hc_eps=1e-6)
+
+    with fake_driver(launcher):
+        for n in (4, 8):
+            g = torch.Generator().manual_seed(n)
+            T, C, M = 24, 64, 2 * n + n * n
+            leaves = [t.requires_grad_() for t in (
+                torch.randn(T, n, C, generator=g).bfloat16(), torch.randn(M, n * C, generator=g) / (n * C) ** 0.5,
+                torch.tensor([0.5, 0.7, 1.3]), torch.randn(M, generator=g), 1 + 0.1 * torch.randn(C, generator=g),
+                torch.randn(n, n * C, generator=g) / (n * C) ** 0.5, torch.tensor([0.8]), torch.randn(n, generator=g))]
+            dY = torch.randn(T, C, generator=g).bfloat16()
+            launches.clear()
+            layer(*leaves).backward(dY)
+            eager = dict(launches)
+            launches.clear()
+            graphs = []
+
+            def capture(gm, example_inputs):
+                graphs.append(gm.code)
+                return make_boxed_func(gm.forward)
+
+            torch._dynamo.reset()
+            backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+            torch.compile(layer, fullgraph=True, backend=backend)(*leaves).backward(dY)
+            assert dict(launches) == eager, (n, sorted(launches), sorted(eager))
+            code = "\\n".join(graphs)
+            assert code.count("triton_kernel_wrapper_functional(") == sum(map(len, eager.values())), code
+            assert "torch.ops.cakeops" not in code and "aten.copy" not in code and "aten.clone" not in code, code
+    print("launches ok")
+''')
+
+
+def _run_without_interpreter(script: str, expect: str, fast_launch: str = "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["CAKEOPS_FAST_LAUNCH"] = "0"  # eager launches through Triton's path too: the launcher sees tensors in both
-    done = subprocess.run([sys.executable, "-c", _LAUNCH_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    env["CAKEOPS_FAST_LAUNCH"] = fast_launch  # eager launches through Triton's path too: the launcher sees tensors
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert "launches ok" in done.stdout
+    assert expect in done.stdout
+
+
+def test_traced_bodies_launch_what_eager_launches():
+    _run_without_interpreter(_LAUNCH_SCRIPT, "launches ok")
+
+
+def test_traced_mhc_bodies_launch_what_eager_launches():
+    """CAKEOPS_INDUCTOR_KERNELS=1: an mHC layer, its RMSNorm branch and the gated head traced as their kernels, each
+    launch as eager's (no GPU has run these through Inductor yet: they are not traced by default)."""
+    _run_without_interpreter(_MHC_LAUNCH_SCRIPT, "launches ok")
 
 
 def test_cpu_graphs_keep_the_ops():
@@ -141,7 +202,7 @@ def test_inductor_launches_the_kernels_with_eager_bits(residual, H, monkeypatch)
 
     from cakeops._ops import inductor
 
-    monkeypatch.setattr(inductor, "_VISIBLE", True)  # on this torch whether or not it is on by default
+    monkeypatch.setattr(inductor, "_TRACE", "checked")  # on this torch whether or not it is on by default
 
     g = torch.Generator(device="cuda").manual_seed(H + residual)
     T = 300
@@ -173,31 +234,30 @@ def test_inductor_launches_the_kernels_with_eager_bits(residual, H, monkeypatch)
 
 
 _BUILD_SCRIPT = textwrap.dedent('''
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from cakeops._triton.rmsnorm import _rmsnorm_fwd_kernel as kernel
+    import torch
+    from cakeops.bench import build_check as bc
+    from cakeops._triton import rmsnorm
 
-    sig = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
-    sig.update({name: "*bf16" for name in ("X", "R", "W", "Y", "H_OUT")}, RSTD="*fp32")
-    consts = {"HAS_RESIDUAL": False, "ROWS": 2, "BLOCK": 1024, "NUM_CHUNKS": 1}
-    for eps_type in ("fp32", "fp64"):
-        src = ASTSource(kernel, {**sig, "eps": eps_type}, constexprs=consts)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        assert ("cvt.rn.f32.f64" in ptx) == (eps_type == "fp64"), eps_type
-    print("builds ok")
+    def rmsnorm_call():
+        m = torch.device("meta")
+        x, w = torch.empty(64, 4096, dtype=torch.bfloat16, device=m), torch.empty(4096, dtype=torch.bfloat16, device=m)
+        rmsnorm.forward(x, w, 1e-6, torch.empty_like(x), torch.empty(64, device=m))
+
+    calls = [rmsnorm_call] + [f(64, n, 256, torch.bfloat16) for n in (2, 4, 8)
+                              for f in (bc.mhc_layer_launches, bc.gated_head_launches)]
+    names = set()
+    for call in calls:
+        for fp64 in (False, True):
+            names |= {b.kernel for b in bc.compile_launches(call, inductor_scalars=fp64)}
+    assert {"_rmsnorm_fwd_kernel", "_gates_kernel", "_head_gates_kernel", "_dlogits_kernel"} <= names, names
+    print("builds ok", len(names))
 ''')
 
 
-def test_forward_kernel_builds_with_the_scalar_types_inductor_passes():
+def test_kernels_build_with_the_scalar_types_inductor_passes():
     """Inductor types a Python float argument of a traced launch as FP64 where Triton's launcher passes FP32:
-    the forward kernel must build for both (an sm_90 build, no GPU needed), converting eps to FP32 once."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "builds ok" in done.stdout
+    every kernel with float arguments (eps values) must build for both (sm_90 builds, no GPU needed)."""
+    _run_without_interpreter(_BUILD_SCRIPT, "builds ok", fast_launch="1")
 
 
 def test_on_by_default_only_where_a_gpu_checked_it(monkeypatch):
@@ -205,8 +265,7 @@ def test_on_by_default_only_where_a_gpu_checked_it(monkeypatch):
 
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     monkeypatch.delenv("CAKEOPS_INDUCTOR_KERNELS", raising=False)
-    assert inductor._visible_by_default() == (version in inductor.GPU_CHECKED_TORCH)
-    for chosen, expected in (("1", True), ("0", False)):
+    assert inductor._trace_mode() == ("checked" if version in inductor.GPU_CHECKED_TORCH else "none")
+    for chosen, expected in (("1", "all"), ("0", "none")):
         monkeypatch.setenv("CAKEOPS_INDUCTOR_KERNELS", chosen)
-        assert inductor._visible_by_default() is expected
-
+        assert inductor._trace_mode() == expected

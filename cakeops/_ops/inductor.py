@@ -11,22 +11,19 @@ fallback kernel with the layout constraint of the op's tags -- before Inductor l
 path (and its log line) is never taken. Compiled code is the same as with the implicit fallback, on every
 supported torch, and compile time is linear in depth.
 
-Why not ``torch.library.triton_op`` + ``wrap_triton`` (Inductor traces into the op and sees the Triton kernels):
-the ops pick their implementation at run time (Triton on CUDA, the reference math on CPU, the interpreter in
-tests), their launchers own host-side work that tracing would have to reproduce symbolically (launch shapes
-from the GPU's SM count, device switches, workspaces), and compiled results would stop being the eager bits.
-The fallback keeps one implementation per op, called the same way eagerly and compiled.
-
-On a GPU the RMSNorm ops go one step further (``register_visible_kernels``): torch.compile traces, in the op's
-place, the body that launches its kernels through ``torch.library.wrap_triton`` -- what ``torch.library.triton_op``
-does, done here as a rule of the op under AOTAutograd's functionalization, so the op itself stays one op in
-eager code, in exported programs and on CPU. Inductor then allocates the outputs and launches the kernels from
-its own generated code: per call, none of the Python a fallback kernel runs (the dispatcher's call into Python,
-the op's body, the launch cache's key). The kernels and their launch shapes are the eager path's, so the results
-are the same bits. It applies where the launch is static: CUDA tensors, the compiled Triton (not the
-interpreter), sizes that are plain ints (with symbolic sizes the launch shape would be a guard per size: the
-fallback below serves those), and not inside ``torch.export``. On by default on the torch versions where a GPU
-ran it (``GPU_CHECKED_TORCH``); ``CAKEOPS_INDUCTOR_KERNELS=1`` / ``0`` turns it on / off on any.
+Where the launch is static, torch.compile goes one step further (``register_visible_kernels``): it traces, in the
+op's place, the op's body with every launch made through ``torch.library.wrap_triton`` (``fast_launch.
+launches_traced``) -- what ``torch.library.triton_op`` does, done here as a rule of the op under AOTAutograd's
+functionalization, so the op stays one op in eager code, in exported programs and on CPU. Inductor then allocates
+the outputs and workspaces and launches the kernels from its own generated code: per call, none of the Python a
+fallback kernel runs (the dispatcher's call into Python, the op's body, the launch cache's key). The kernels and
+launch shapes are the eager path's (the body is the eager body), so the results are the same bits. Static means:
+CUDA tensors and the compiled Triton (not the interpreter), sizes that are plain ints (with symbolic sizes every
+launch shape would be a guard: the fallback below serves those), and not inside ``torch.export``. The cost is
+compile time: Inductor runs a Triton front-end pass over each traced launch to find the tensors it writes.
+By default only the RMSNorm ops are traced, on the torch versions where a GPU ran them (``GPU_CHECKED_TORCH``);
+``CAKEOPS_INDUCTOR_KERNELS=1`` traces every op on any torch (the mHC ops: same launches as eager on CPU, not yet
+run through Inductor on a GPU), ``=0`` none.
 
 The fallback kernel is not the op itself but its unchecked twin (``define_unchecked``): compiled graphs skip the
 Python a ``custom_op`` runs per call, which made the compiled public RMSNorm path host-bound (H200, T=16384
@@ -74,32 +71,38 @@ def register_fake(op, fake: Callable, unchecked: Optional[Callable] = None) -> N
         _UNCHECKED[overload] = define_unchecked(overload, fake, unchecked)
 
 
-# The torch versions whose Inductor compiled and ran the traced kernels on a GPU, bit for bit as eager (H200,
-# torch 2.11, 2026-12-01): on by default there; elsewhere CAKEOPS_INDUCTOR_KERNELS=1 opts in (the traced bodies are
-# checked on CPU on every supported torch, Inductor's GPU code generation only where a GPU ran it).
+# The torch versions whose Inductor compiled and ran the traced RMSNorm kernels on a GPU, bit for bit as eager
+# (H200, torch 2.11, 2026-12-01). The mHC ops' bodies trace too (checked on CPU: the same launches as eager) but no
+# GPU has run them through Inductor yet.
 GPU_CHECKED_TORCH = ((2, 11),)
 
 
-def _visible_by_default() -> bool:
+def _trace_mode() -> str:
+    """Which ops torch.compile traces as their kernels: "checked" (the GPU-checked ops, on the GPU-checked torch
+    versions: the default), "all" (``CAKEOPS_INDUCTOR_KERNELS=1``), "none" (``=0``, or another torch by default)."""
     chosen = os.environ.get("CAKEOPS_INDUCTOR_KERNELS")
     if chosen is not None:
-        return chosen != "0"
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) in GPU_CHECKED_TORCH
+        return "none" if chosen == "0" else "all"
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return "checked" if version in GPU_CHECKED_TORCH else "none"
 
 
-_VISIBLE = _visible_by_default()
+_TRACE = _trace_mode()
 
 
-def register_visible_kernels(op, body: Callable) -> None:
-    """Under AOTAutograd (torch.compile), ``op`` is traced as ``body`` (the op's arguments; its kernels launched
-    through wrap_triton) wherever ``_kernels_visible`` allows it, else kept as the op (module docstring)."""
+def register_visible_kernels(op, body: Callable, gpu_checked: bool = False) -> None:
+    """Under AOTAutograd (torch.compile), ``op`` is traced as ``body`` (the op's arguments) with every launch it
+    makes taken over by Inductor (``fast_launch.launches_traced``), wherever ``_kernels_visible`` allows it, else
+    kept as the op (module docstring). ``gpu_checked``: a GPU ran the traced form (traced by default)."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from .._triton.fast_launch import launches_traced
 
     def trace_body(mode, func, types, args, kwargs):
         if not all(map(_plain, types)):  # a tensor subclass (DTensor) dispatches first
             return NotImplemented
-        if _kernels_visible(args):
-            with mode:
+        if (_TRACE == "all" or (_TRACE == "checked" and gpu_checked)) and _kernels_visible(args):
+            with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
@@ -107,7 +110,7 @@ def register_visible_kernels(op, body: Callable) -> None:
 
 
 def _kernels_visible(args) -> bool:
-    if not (_VISIBLE and _compiled_triton(args[0])):
+    if not _compiled_triton(args[0]):
         return False
     if any(type(s) is not int for a in args if isinstance(a, torch.Tensor) for s in a.shape):
         return False

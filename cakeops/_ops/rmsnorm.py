@@ -35,9 +35,7 @@ def _triton_kernels():
 
 def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
                  y: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
-                 h_out: Optional[Tensor] = None, traced: bool = False):
-    """``traced``: the body torch.compile traces (inductor.register_visible_kernels): the kernels launched through
-    wrap_triton, no device switch (Inductor's code guards the device)."""
+                 h_out: Optional[Tensor] = None):
     x, w = unit_last(x), unit_last(w)
     residual = None if residual is None else unit_last(residual)
     T, H = x.shape
@@ -46,9 +44,7 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
     rstd = x.new_empty(T, dtype=torch.float32) if rstd is None else rstd
     if residual is not None and h_out is None:
         h_out = x.new_empty(T, H)
-    if traced:
-        _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out, traced=True)
-    elif _backend.use_triton(x):
+    if _backend.use_triton(x):
         switch = _backend.device_switch(x)
         if switch is None:
             _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
@@ -67,7 +63,7 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
 def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor] = None,
                   deterministic: bool = True, workspace: Optional[Tensor] = None,
                   dx: Optional[Tensor] = None, dw: Optional[Tensor] = None,
-                  dw_dtype: torch.dtype = torch.float32, traced: bool = False) -> Tuple[Tensor, Tensor]:
+                  dw_dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
     """``dw_dtype``: the dtype of a dw allocated here. The FP32 sum is rounded once into it by the deterministic
     reduction (the bits of ``dw.to(dw_dtype)``, one launch fewer); FP32 where the kernels cannot round it:
     ``deterministic=False`` (atomics) and Triton's interpreter (``ROUNDS_TO_NEAREST``). The caller casts the rest."""
@@ -81,9 +77,7 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
     if dw is None:
         rounds = deterministic and (not use_triton or _triton_kernels().ROUNDS_TO_NEAREST)
         dw = x.new_empty(H, dtype=dw_dtype if rounds else torch.float32)
-    if traced:
-        _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace, traced=True)
-    elif use_triton:
+    if use_triton:
         switch = _backend.device_switch(x)
         if switch is None:
             _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
@@ -98,10 +92,10 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
 
 
 def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Optional[Tensor],
-                   deterministic: bool, traced: bool = False) -> Tuple[Tensor, Tensor]:
+                   deterministic: bool) -> Tuple[Tensor, Tensor]:
     """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype, straight from the kernels
     where they round it (the eager and compiled paths give the same bits either way)."""
-    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype, traced=traced)
+    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
     return dX, (dw if dw.dtype == w.dtype else dw.to(w.dtype))
 
 
@@ -149,12 +143,9 @@ inductor.register_fake(rmsnorm_fwd, fake.rmsnorm_fwd, unchecked=_rmsnorm_fwd)
 inductor.register_fake(add_rmsnorm_fwd, fake.add_rmsnorm_fwd, unchecked=_add_rmsnorm_fwd)
 inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd, unchecked=_rmsnorm_bwd)
 
-# What torch.compile traces in their place on a GPU: the kernels themselves, launched by Inductor's code.
-inductor.register_visible_kernels(rmsnorm_fwd, lambda x, w, eps, det: forward_impl(x, w, eps, traced=True))
-inductor.register_visible_kernels(add_rmsnorm_fwd, lambda x, residual, w, eps, det:
-                                  forward_impl(x, w, eps, residual, traced=True))
-inductor.register_visible_kernels(rmsnorm_bwd, lambda g, x, w, rstd, g_residual, det:
-                                  eager_backward(g, x, w, rstd, g_residual, det, traced=True))
+# On a GPU torch.compile traces the ops' bodies, their kernels launched by Inductor's code (inductor.py)
+for _op, _body in ((rmsnorm_fwd, _rmsnorm_fwd), (add_rmsnorm_fwd, _add_rmsnorm_fwd), (rmsnorm_bwd, _rmsnorm_bwd)):
+    inductor.register_visible_kernels(_op, _body, gpu_checked=True)
 
 
 # ---- autograd: one formula for the eager Function and the registered autograd ----

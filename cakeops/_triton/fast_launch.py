@@ -19,6 +19,9 @@ not apply: the first call of a key (Triton compiles or loads it, and we keep wha
 installed (profilers such as proton see every launch as before), pre-run hooks on the kernel, and
 ``CAKEOPS_FAST_LAUNCH=0``.
 
+While torch.compile traces an op's body for Inductor to launch its kernels (``launches_traced``, cakeops/_ops/
+inductor.py) every launch goes through ``torch.library.wrap_triton`` instead, with the same arguments and options.
+
 Two call forms: ``fast(kernel)[grid](*args, **kwargs)``, Triton's own form (arguments by position or name,
 constexprs' defaults applied, launch options ``num_warps`` / ``num_stages`` / ``maxnreg``; other options take
 Triton's path), and ``FastKernel(kernel)(grid, args, num_warps)`` with every argument positional in signature
@@ -130,6 +133,22 @@ def _options(num_warps: int, num_stages: Optional[int], maxnreg: Optional[int]) 
     return options
 
 
+_tracing = False  # while torch.compile traces a body whose launches Inductor takes over (_ops/inductor.py)
+
+
+class launches_traced:
+    """Within the block every FastKernel launch goes through ``torch.library.wrap_triton`` (``TracedKernel``): the
+    launchers run as they do eagerly (same grids, arguments and options), and torch.compile records the launches."""
+
+    def __enter__(self):
+        global _tracing
+        self.saved, _tracing = _tracing, True
+
+    def __exit__(self, *exc):
+        global _tracing
+        _tracing = self.saved
+
+
 class FastKernel:
     """A Triton ``@jit`` kernel launched through a per-specialization cache (module docstring)."""
 
@@ -151,6 +170,10 @@ class FastKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: Tuple[int, ...], args: Sequence, kwargs: dict) -> None:
+        if _tracing:
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+            self.traced().launch(grid, (self.bind or _make_binder(self.kernel))(*args, **kwargs), options)
+            return
         if self.usable:
             # kwargs is this call's own dict (from __getitem__'s lambda): the options can be taken out of it
             num_warps = kwargs.pop("num_warps", 4)
@@ -165,7 +188,13 @@ class FastKernel:
         self.kernel[grid](*args, **kwargs)  # the interpreter too
 
     def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+        if _tracing:
+            self.traced().launch(grid, args, {"num_warps": num_warps})
+            return
         self.run(grid, args, num_warps)
+
+    def traced(self) -> "TracedKernel":
+        return TracedKernel(self.kernel)
 
     def run(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: Optional[int] = None,
             maxnreg: Optional[int] = None) -> None:
@@ -213,26 +242,18 @@ def fast(kernel) -> FastKernel:
 
 
 class TracedKernel:
-    """``kernel`` as torch.compile traces it: ``torch.library.wrap_triton(kernel)[grid](...)``, called like
-    FastKernel's positional form. In a graph being traced the launch becomes a node that Inductor compiles and
-    launches from its own generated code (no Python of cakeops per call); outside tracing wrap_triton hands the
-    call to Triton."""
+    """``kernel`` as torch.compile traces it: ``torch.library.wrap_triton(kernel)[grid](...)``. In a graph being
+    traced the launch becomes a node that Inductor compiles and launches from its own generated code."""
 
     __slots__ = ("kernel", "names")
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.names = None  # the parameter names, read on the first call (the interpreter's kernels have none)
+        self.names = tuple(p.name for p in kernel.params)
 
-    def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+    def launch(self, grid: Tuple[int, ...], args: Sequence, options: dict) -> None:
+        """Every argument in signature order, defaults included (Inductor's analysis of which tensors the kernel
+        writes takes the arguments by name and applies no defaults), and the launch options."""
         from torch.library import wrap_triton
 
-        if self.names is None:
-            self.names = tuple(p.name for p in self.kernel.params)
-        wrap_triton(self.kernel)[grid](**dict(zip(self.names, args)), num_warps=num_warps)
-
-
-def traced(kernel) -> TracedKernel:
-    """``kernel``'s launcher for the bodies that torch.compile traces (cakeops/_ops/inductor.py)."""
-    return TracedKernel(kernel)
-
+        wrap_triton(self.kernel)[grid](**dict(zip(self.names, args)), **options)

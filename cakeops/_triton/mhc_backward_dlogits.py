@@ -179,6 +179,7 @@ def _dlogits_kernel(
 ):
     """Kernel A (see the module docstring); dpre comes from _dpre_kernel's [dpre_slices, T, N] partials, summed
     in slice order. Padded tokens have zero upstream gradients, hence zero dlogits."""
+    hc_eps = tl.cast(hc_eps, tl.float32)  # FP64 from Inductor's launcher (a traced launch), FP32 from Triton's
     pid = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
     j = tl.arange(0, N)

@@ -84,6 +84,7 @@ def _head_gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps,
                        N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """One token block: the slices summed in slice order (deterministic), rstd, mix and the gates into the
     record; every other column of the row is zeroed (the stores are disjoint: no barrier)."""
+    rms_eps, hc_eps = tl.cast(rms_eps, tl.float32), tl.cast(hc_eps, tl.float32)  # FP64 from Inductor's launcher
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     t64 = t.to(tl.int64)

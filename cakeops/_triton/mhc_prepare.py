@@ -119,6 +119,8 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
                   N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """One token block: the slices' partials summed in slice order (deterministic), then rstd, mix, the
     gates and the Sinkhorn into the stats rows (padding zeroed)."""
+    # float arguments arrive as FP32 from Triton's launcher, as FP64 from Inductor's (a traced launch)
+    rms_eps, hc_eps = tl.cast(rms_eps, tl.float32), tl.cast(hc_eps, tl.float32)
     M = 2 * N + N * N
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T

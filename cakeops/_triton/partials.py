@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import fast, traced
+from .fast_launch import fast
 from .launch import cdiv, next_power_of_2
 
 
@@ -25,7 +25,6 @@ def _sum_partials_kernel(PART, OUT, P, H, stride_p, ACCUMULATE: tl.constexpr, BL
 
 
 _launch = fast(_sum_partials_kernel)  # all arguments positional: ACCUMULATE, BLOCK_P, BLOCK last
-_traced = traced(_sum_partials_kernel)
 
 # Whether an OUT narrower than FP32 gets the sum rounded to nearest even: compiled, yes; Triton's interpreter (a
 # Python function in place of the kernel, decided when it was decorated) truncates instead.
@@ -33,12 +32,10 @@ ROUNDS_TO_NEAREST = isinstance(_sum_partials_kernel, triton.runtime.jit.JITFunct
 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,
-                 block_p: int = 32, traced: bool = False) -> None:
+                 block_p: int = 32) -> None:
     """out [H] (+)= partials [P, H] (unit column stride) summed over P in a fixed order (in FP32; an out of another
     float dtype receives the sum rounded once, and only without accumulate). Narrow column blocks
-    (max_block) make many programs, each a short walk; block_p rows are loaded per step. ``traced``: launched
-    through wrap_triton, for a body that torch.compile traces."""
+    (max_block) make many programs, each a short walk; block_p rows are loaded per step."""
     P, H = partials.shape
     block = min(max_block, next_power_of_2(H))
-    (_traced if traced else _launch)((cdiv(H, block),), (partials, out, P, H, partials.stride(0), accumulate,
-                                                         block_p, block), 4)
+    _launch((cdiv(H, block),), (partials, out, P, H, partials.stride(0), accumulate, block_p, block), 4)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import fast, traced as traced_kernel
+from .fast_launch import fast
 from .launch import cdiv, persistent_programs, tile_config
 from .partials import ROUNDS_TO_NEAREST, sum_partials  # noqa: F401 - the ops read ROUNDS_TO_NEAREST here
 
@@ -174,9 +174,6 @@ def _load_wide_chunk(G, X, W, row, stride_g, stride_x, c, H):
 # Launched through the per-specialization cache (fast_launch.py): all arguments positional, in signature order.
 _fwd_launch = fast(_rmsnorm_fwd_kernel)
 _bwd_launch = fast(_rmsnorm_bwd_kernel)
-# The same launches as torch.compile traces them (cakeops/_ops/inductor.py: Inductor launches the kernels itself)
-_fwd_traced = traced_kernel(_rmsnorm_fwd_kernel)
-_bwd_traced = traced_kernel(_rmsnorm_bwd_kernel)
 
 
 @dataclass(frozen=True)
@@ -216,9 +213,8 @@ def _default_forward_tile(H: int, elem_bytes: int, has_residual: bool):
 
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
             residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None, *,
-            config: Optional[RMSNormConfig] = None, traced: bool = False) -> None:
-    """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out.
-    ``traced``: launched through wrap_triton, for a body that torch.compile traces."""
+            config: Optional[RMSNormConfig] = None) -> None:
+    """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out."""
     T, H = x.shape
     if T == 0:
         return
@@ -232,7 +228,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
         r, h, sr, sh = residual, h_out, residual.stride(0), h_out.stride(0)
     else:  # R and H_OUT are never read or written: any valid pointers
         r, h, sr, sh = x, y, sx, sy
-    (_fwd_traced if traced else _fwd_launch)((cdiv(T, rows),), (
+    _fwd_launch((cdiv(T, rows),), (
         x, r, w, y, h, rstd, T, H, sx, sr, sy, sh, eps,
         has_res, rows, block, chunks,  # HAS_RESIDUAL, ROWS, BLOCK, NUM_CHUNKS
     ), warps)
@@ -254,7 +250,7 @@ def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) ->
 def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
              dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
              workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False, *,
-             config: Optional[RMSNormConfig] = None, traced: bool = False) -> None:
+             config: Optional[RMSNormConfig] = None) -> None:
     """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it). A dw of another
     float dtype (not with accumulate_dw) receives the FP32 sum rounded once, by the fixed-order reduction itself
     (the same bits as ``dw_fp32.to(dtype)``, without a separate cast launch); the atomic path needs FP32."""
@@ -285,10 +281,10 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
     has_gres = g_residual is not None
     sg = g.stride(0)
     gres, sgres = (g_residual, g_residual.stride(0)) if has_gres else (g, sg)  # GRES unread without it
-    (_bwd_traced if traced else _bwd_launch)((programs,), (
+    _bwd_launch((programs,), (
         g, x, w, rstd, gres, dx, target, T, H,
         sg, x.stride(0), sgres, dx.stride(0), H,
         has_gres, atomic, rows, block, chunks,  # HAS_GRES, ATOMIC_DW, ROWS, BLOCK, NUM_CHUNKS
     ), warps)
     if not atomic:
-        sum_partials(target, dw, accumulate_dw, traced=traced)
+        sum_partials(target, dw, accumulate_dw)

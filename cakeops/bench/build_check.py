@@ -108,9 +108,10 @@ def _as_gpu(sms: int):
             setattr(mod, attr, value)
 
 
-def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[Built]:
+def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_scalars: bool = False) -> List[Built]:
     """Runs ``call`` (launchers on meta tensors) recording every Triton launch instead of running it, then
-    compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given)."""
+    compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given). ``inductor_scalars``:
+    float arguments typed FP64, as Inductor's launcher types them in a traced launch (Triton's: FP32)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -146,6 +147,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None) -> List[B
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, _ = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+        if inductor_scalars:
+            signature = {k: "fp64" if v == "fp32" else v for k, v in signature.items()}
         named = {fn.arg_names[k[0]]: v for k, v in constexprs.items() if len(k) == 1}
         key = (fn.__name__, repr(sorted(named.items())), options.num_warps, options.num_stages, options.maxnreg,
                repr(signature))
