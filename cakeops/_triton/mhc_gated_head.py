@@ -141,7 +141,7 @@ class GatedHeadConfig:
     dgate_x_per_stream: bool = True  # dgate pass: X as n tiles in dY's layout (False: one [n, tokens, cols] tile)
     dgate_reduce_per_chunk: bool = True  # dgate pass: reduce over columns every chunk (128 registers, not 255)
     dx_block_t: int = 16             # dX kernel: tokens per block (a tl.dot dimension, >= 16)
-    dx_elems: Optional[int] = None   # dX kernel: n * columns per program (None: 256, 64 columns at n = 4; 128 at n = 2)
+    dx_elems: Optional[int] = None   # dX kernel: n * columns per program (None: 64 columns at every n)
     dx_warps: Optional[int] = None   # dX kernel: warps per program (None: 4; 2 at n = 2)
     dx_stages: Optional[int] = 2
     dx_per_sm: Optional[int] = None  # dX kernel: programs per SM (None: 6, 8 at n = 2, 3 at n = 4 / 2 with "fused")
@@ -166,7 +166,9 @@ class GatedHeadConfig:
         return 8 if n == 2 else 6
 
     def dx_elements(self, n: int) -> int:
-        return self.dx_elems if self.dx_elems is not None else (128 if n == 2 else 256)
+        # 64 columns at every n. n = 8 had 32: the dX kernel alone took 989.5 us at 64 against 1063 in the backward
+        # at 32 (H200, 2026-12-01, .devrun/proto_head_rows.py "cur"; the whole backward at 64 not yet timed)
+        return self.dx_elems if self.dx_elems is not None else 64 * n
 
     def dx_num_warps(self, n: int) -> int:
         return self.dx_warps if self.dx_warps is not None else (2 if n == 2 else 4)
