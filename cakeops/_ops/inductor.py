@@ -96,12 +96,12 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False) -> N
     kept as the op (module docstring). ``gpu_checked``: a GPU ran the traced form (traced by default)."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    from .._triton.fast_launch import launches_traced
-
     def trace_body(mode, func, types, args, kwargs):
         if not all(map(_plain, types)):  # a tensor subclass (DTensor) dispatches first
             return NotImplemented
         if (_TRACE == "all" or (_TRACE == "checked" and gpu_checked)) and _kernels_visible(args):
+            from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
+
             with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
