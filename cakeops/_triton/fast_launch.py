@@ -137,7 +137,7 @@ _tracing = False  # while torch.compile traces a body whose launches Inductor ta
 
 
 class launches_traced:
-    """Within the block every FastKernel launch goes through ``torch.library.wrap_triton`` (``TracedKernel``): the
+    """Within the block every FastKernel launch goes through ``torch.library.wrap_triton`` (``_traced_launch``): the
     launchers run as they do eagerly (same grids, arguments and options), and torch.compile records the launches."""
 
     def __enter__(self):
@@ -172,7 +172,7 @@ class FastKernel:
     def launch(self, grid: Tuple[int, ...], args: Sequence, kwargs: dict) -> None:
         if _tracing:
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-            self.traced().launch(grid, (self.bind or _make_binder(self.kernel))(*args, **kwargs), options)
+            _traced_launch(self.kernel, grid, (self.bind or _make_binder(self.kernel))(*args, **kwargs), options)
             return
         if self.usable:
             # kwargs is this call's own dict (from __getitem__'s lambda): the options can be taken out of it
@@ -189,12 +189,9 @@ class FastKernel:
 
     def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
         if _tracing:
-            self.traced().launch(grid, args, {"num_warps": num_warps})
+            _traced_launch(self.kernel, grid, args, {"num_warps": num_warps})
             return
         self.run(grid, args, num_warps)
-
-    def traced(self) -> "TracedKernel":
-        return TracedKernel(self.kernel)
 
     def run(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: Optional[int] = None,
             maxnreg: Optional[int] = None) -> None:
@@ -241,19 +238,11 @@ def fast(kernel) -> FastKernel:
     return launcher
 
 
-class TracedKernel:
-    """``kernel`` as torch.compile traces it: ``torch.library.wrap_triton(kernel)[grid](...)``. In a graph being
-    traced the launch becomes a node that Inductor compiles and launches from its own generated code."""
+def _traced_launch(kernel, grid: Tuple[int, ...], args: Sequence, options: dict) -> None:
+    """``torch.library.wrap_triton(kernel)[grid](...)``: in a graph being traced the launch becomes a node that
+    Inductor compiles and launches from its own generated code. ``args``: every argument in signature order,
+    defaults included (Inductor's analysis of which tensors the kernel writes takes them by name, applying no
+    defaults)."""
+    from torch.library import wrap_triton
 
-    __slots__ = ("kernel", "names")
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.names = tuple(p.name for p in kernel.params)
-
-    def launch(self, grid: Tuple[int, ...], args: Sequence, options: dict) -> None:
-        """Every argument in signature order, defaults included (Inductor's analysis of which tensors the kernel
-        writes takes the arguments by name and applies no defaults), and the launch options."""
-        from torch.library import wrap_triton
-
-        wrap_triton(self.kernel)[grid](**dict(zip(self.names, args)), **options)
+    wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **options)
