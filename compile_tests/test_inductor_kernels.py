@@ -165,6 +165,35 @@ _MHC_LAUNCH_SCRIPT = textwrap.dedent('''
 ''')
 
 
+_COMPILED_AUTOGRAD_SCRIPT = textwrap.dedent('''
+    import re, torch
+    from torch._dynamo import compiled_autograd
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops._ops import inductor
+    from cakeops.tiny_lm import TinyLM
+
+    inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    inductor._TRACE = "all"
+    with fake_driver():
+        torch.manual_seed(8)
+        model = TinyLM(48, 32, layers=2, heads=4)
+        tokens = torch.randint(0, 48, (2, 9))
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm.code)
+            return gm.forward
+
+        with compiled_autograd._enable(torch.compile(backend=backend)):
+            torch.compile(model.loss, fullgraph=True, backend="aot_eager")(tokens).backward()
+        ops = sorted(set(re.findall(r"torch\\.ops\\.cakeops\\.\\w+|triton_kernel_wrapper", graphs[0])))
+        assert len(graphs) == 1, len(graphs)
+        assert ops == ["torch.ops.cakeops.mhc_backward_finish", "torch.ops.cakeops.mhc_backward_prepare",
+                       "torch.ops.cakeops.mhc_head_bwd", "torch.ops.cakeops.rmsnorm_bwd"], ops
+    print("one graph")
+''')
+
+
 def _run_without_interpreter(script: str, expect: str, fast_launch: str = "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -182,6 +211,12 @@ def test_traced_mhc_bodies_launch_what_eager_launches():
     """CAKEOPS_INDUCTOR_KERNELS=1: an mHC layer, its RMSNorm branch and the gated head traced as their kernels, each
     launch as eager's (no GPU has run these through Inductor yet: they are not traced by default)."""
     _run_without_interpreter(_MHC_LAUNCH_SCRIPT, "launches ok")
+
+
+def test_compiled_autograd_sees_backward_ops():
+    """With compiled autograd on, backward ops stay ops (its Dynamo cannot trace Inductor's kernel-launch operator:
+    a graph break per kernel): a 2-block mHC TinyLM's backward is one graph of the cakeops backward ops."""
+    _run_without_interpreter(_COMPILED_AUTOGRAD_SCRIPT, "one graph")
 
 
 def test_cpu_graphs_keep_the_ops():
@@ -241,22 +276,32 @@ _BUILD_SCRIPT = textwrap.dedent('''
     def rmsnorm_call():
         m = torch.device("meta")
         x, w = torch.empty(64, 4096, dtype=torch.bfloat16, device=m), torch.empty(4096, dtype=torch.bfloat16, device=m)
-        rmsnorm.forward(x, w, 1e-6, torch.empty_like(x), torch.empty(64, device=m))
+        rstd = torch.empty(64, device=m)
+        rmsnorm.forward(x, w, 1e-6, torch.empty_like(x), rstd)
+        rmsnorm.backward(torch.empty_like(x), x, w, rstd, torch.empty_like(x), torch.empty(4096, device=m))
 
     calls = [rmsnorm_call] + [f(64, n, 256, torch.bfloat16) for n in (2, 4, 8)
                               for f in (bc.mhc_layer_launches, bc.gated_head_launches)]
     names = set()
     for call in calls:
-        for fp64 in (False, True):
-            names |= {b.kernel for b in bc.compile_launches(call, inductor_scalars=fp64)}
-    assert {"_rmsnorm_fwd_kernel", "_gates_kernel", "_head_gates_kernel", "_dlogits_kernel"} <= names, names
+        names |= {b.kernel for b in bc.compile_launches(call)}
+        traced = bc.compile_launches(call, inductor_scalars=True)
+        copied = bc.compile_launches(call, inductor_scalars=True, inductor_source=True)
+        assert [(b.kernel, b.ptx_sha) for b in copied] == [(b.kernel, b.ptx_sha) for b in traced]
+        names |= {b.kernel for b in traced}
+    assert {"_rmsnorm_fwd_kernel", "_rmsnorm_bwd_kernel", "_gates_kernel", "_head_gates_kernel",
+            "_dlogits_kernel", "_dx_kernel", "_head_dx_kernel"} <= names, names
     print("builds ok", len(names))
 ''')
 
 
-def test_kernels_build_with_the_scalar_types_inductor_passes():
-    """Inductor types a Python float argument of a traced launch as FP64 where Triton's launcher passes FP32:
-    every kernel with float arguments (eps values) must build for both (sm_90 builds, no GPU needed)."""
+def test_kernels_build_as_inductor_copies_and_launches_them():
+    """What Inductor's generated code builds from a traced launch, for every kernel of the RMSNorm ops, an mHC
+    layer and the gated head at n = 2, 4, 8 (sm_90 builds, no GPU needed):
+    - a Python float argument is typed FP64 there (Triton's own launcher passes FP32): every kernel with float
+      arguments (eps values) builds for both;
+    - the kernel comes from Inductor's copy of its source (``build_check.inductor_copy``), which carries the Triton
+      functions it calls but not the module globals they read: the copy builds to the same PTX."""
     _run_without_interpreter(_BUILD_SCRIPT, "builds ok", fast_launch="1")
 
 

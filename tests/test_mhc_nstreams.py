@@ -53,6 +53,18 @@ def test_layout_per_n(n):
 
 
 @pytest.mark.parametrize("n", STREAMS)
+def test_kernel_columns_are_the_layout(n):
+    """The kernels' constexpr columns (cakeops/_triton/mhc_columns.py restates the layout's formulas, so that
+    Inductor's copy of a kernel needs no module global) give meta/mhc_layout.py's record."""
+    from cakeops._triton import mhc_columns as cols
+
+    L = mhc_layout.layout_for(n)
+    names = ("PRE", "POST", "COMB", "RSTD", "MIX", "STATS_USED", "STATS_WIDTH", "DPOST", "DCOMB", "GRAD_STATS_USED",
+             "GRAD_STATS_WIDTH")
+    assert {k: getattr(cols, k)(n) for k in names} == {k: getattr(L, k) for k in names}
+
+
+@pytest.mark.parametrize("n", STREAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_functions_match_fp64_math(backend, n, dtype):
     """Every function, one after the other as a layer runs them, against the fp64 reference math on the same

@@ -25,6 +25,12 @@ By default only the RMSNorm ops are traced, on the torch versions where a GPU ra
 ``CAKEOPS_INDUCTOR_KERNELS=1`` traces every op on any torch (the mHC ops: same launches as eager on CPU, not yet
 run through Inductor on a GPU), ``=0`` none.
 
+Backward ops stay ops while compiled autograd is on when the graph is traced (``torch._dynamo.config.
+compiled_autograd`` or inside ``compiled_autograd._enable``): compiled autograd copies a compiled backward graph into
+its own and traces that with Dynamo, which cannot trace Inductor's kernel-launch operator (torch 2.11-2.14: a graph
+break at every kernel, results still right). A forward compiled before compiled autograd is switched on keeps its
+traced backward: ``CAKEOPS_INDUCTOR_KERNELS=0`` for that order.
+
 The fallback kernel is not the op itself but its unchecked twin (``define_unchecked``): compiled graphs skip the
 Python a ``custom_op`` runs per call, which made the compiled public RMSNorm path host-bound (H200, T=16384
 H=4096 fwd+bwd: 1225 -> 785 us per call, docs/perf.md).
@@ -90,16 +96,18 @@ def _trace_mode() -> str:
 _TRACE = _trace_mode()
 
 
-def register_visible_kernels(op, body: Callable, gpu_checked: bool = False) -> None:
+def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, backward: bool = False) -> None:
     """Under AOTAutograd (torch.compile), ``op`` is traced as ``body`` (the op's arguments) with every launch it
     makes taken over by Inductor (``fast_launch.launches_traced``), wherever ``_kernels_visible`` allows it, else
-    kept as the op (module docstring). ``gpu_checked``: a GPU ran the traced form (traced by default)."""
+    kept as the op (module docstring). ``gpu_checked``: a GPU ran the traced form (traced by default).
+    ``backward``: a backward op, kept as the op while compiled autograd is on."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     def trace_body(mode, func, types, args, kwargs):
         if not all(map(_plain, types)):  # a tensor subclass (DTensor) dispatches first
             return NotImplemented
-        if (_TRACE == "all" or (_TRACE == "checked" and gpu_checked)) and _kernels_visible(args):
+        if ((_TRACE == "all" or (_TRACE == "checked" and gpu_checked)) and _kernels_visible(args)
+                and not (backward and compiled_autograd_on())):
             from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
 
             with mode, launches_traced():
@@ -107,6 +115,16 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False) -> N
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     op.register_torch_dispatch(FunctionalTensorMode, trace_body)
+
+
+def compiled_autograd_on() -> bool:
+    """Whether a backward traced now will be re-traced by compiled autograd (module docstring)."""
+    from torch._dynamo import compiled_autograd, config
+
+    # AOTAutograd traces with compiled autograd paused (``_disable``), so its flag reads False here; ``depth``
+    # counts the ``_enable`` contexts entered (torch 2.11-2.14)
+    return bool(config.compiled_autograd or compiled_autograd.compiled_autograd_enabled
+                or getattr(compiled_autograd, "depth", 0) > 0)
 
 
 def _kernels_visible(args) -> bool:

@@ -145,7 +145,7 @@ inductor.register_fake(rmsnorm_bwd, fake.rmsnorm_bwd, unchecked=_rmsnorm_bwd)
 
 # On a GPU torch.compile traces the ops' bodies, their kernels launched by Inductor's code (inductor.py)
 for _op, _body in ((rmsnorm_fwd, _rmsnorm_fwd), (add_rmsnorm_fwd, _add_rmsnorm_fwd), (rmsnorm_bwd, _rmsnorm_bwd)):
-    inductor.register_visible_kernels(_op, _body, gpu_checked=True)
+    inductor.register_visible_kernels(_op, _body, gpu_checked=True, backward=_op is rmsnorm_bwd)
 
 
 # ---- autograd: one formula for the eager Function and the registered autograd ----

@@ -2,69 +2,67 @@
 writes ``_COMB(N)`` where it needs the column, and each N compiles to its own constants (no kernel per n).
 Called from host code they return plain ints.
 
-The layouts reach the functions as a default argument: Triton re-checks every global a kernel reads on each
-launch (and refuses plain Python functions there), while a default is read once, when the function is defined.
+Each function computes its column from N alone, with no module global: Triton re-checks every global a kernel
+reads on each launch, and Inductor, when it launches a kernel itself, copies the kernel's source and the sources of
+the functions it calls into its own module, but not the globals those functions read. The formulas restate
+meta/mhc_layout.py's ``_layout``; tests/test_mhc_layout.py checks them against it for every supported n.
 """
 import triton
 
-from ..meta import mhc_layout as layout
 
-_LAYOUTS = {n: layout.layout_for(n) for n in layout.SUPPORTED_STREAMS}
+@triton.constexpr_function
+def PRE(N):
+    return 0
 
 
 @triton.constexpr_function
-def PRE(N, layouts=_LAYOUTS):
-    return layouts[N].PRE
+def POST(N):
+    return N
 
 
 @triton.constexpr_function
-def POST(N, layouts=_LAYOUTS):
-    return layouts[N].POST
+def COMB(N):
+    return 2 * N
 
 
 @triton.constexpr_function
-def COMB(N, layouts=_LAYOUTS):
-    return layouts[N].COMB
+def RSTD(N):
+    return 2 * N + N * N  # M, the number of logits
 
 
 @triton.constexpr_function
-def RSTD(N, layouts=_LAYOUTS):
-    return layouts[N].RSTD
+def MIX(N):
+    return 2 * N + N * N + 1
 
 
 @triton.constexpr_function
-def MIX(N, layouts=_LAYOUTS):
-    return layouts[N].MIX
+def STATS_USED(N):
+    return 2 * (2 * N + N * N) + 1  # gates and Sinkhorn output (M), rstd, mix (M)
 
 
 @triton.constexpr_function
-def STATS_USED(N, layouts=_LAYOUTS):
-    return layouts[N].STATS_USED
+def STATS_WIDTH(N):
+    return 1 << (2 * (2 * N + N * N)).bit_length()  # STATS_USED rounded up to a power of two
 
 
 @triton.constexpr_function
-def STATS_WIDTH(N, layouts=_LAYOUTS):
-    return layouts[N].STATS_WIDTH
+def DPOST(N):
+    return 0
 
 
 @triton.constexpr_function
-def DPOST(N, layouts=_LAYOUTS):
-    return layouts[N].DPOST
+def DCOMB(N):
+    return N
 
 
 @triton.constexpr_function
-def DCOMB(N, layouts=_LAYOUTS):
-    return layouts[N].DCOMB
+def GRAD_STATS_USED(N):
+    return N + N * N
 
 
 @triton.constexpr_function
-def GRAD_STATS_USED(N, layouts=_LAYOUTS):
-    return layouts[N].GRAD_STATS_USED
-
-
-@triton.constexpr_function
-def GRAD_STATS_WIDTH(N, layouts=_LAYOUTS):
-    return layouts[N].GRAD_STATS_WIDTH
+def GRAD_STATS_WIDTH(N):
+    return 1 << (N + N * N - 1).bit_length()  # GRAD_STATS_USED rounded up to a power of two
 
 
 def logits_pad(n: int) -> int:

@@ -108,10 +108,40 @@ def _as_gpu(sms: int):
             setattr(mod, attr, value)
 
 
-def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_scalars: bool = False) -> List[Built]:
+_INDUCTOR_COPIES = {}
+
+
+def inductor_copy(fn):
+    """``fn`` as the module torch.compile generates to launch a traced kernel defines it: Inductor copies the
+    kernel's source, the sources of the Triton functions it calls and the module constants it reads, under its own
+    imports, into a file of its own. What that copy lacks (a global the kernel or a helper reads that Inductor
+    does not copy) fails there, not in eager code."""
+    if fn in _INDUCTOR_COPIES:
+        return _INDUCTOR_COPIES[fn]
+    import importlib.util
+
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    source = (TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
+              + user_defined_triton_kernel_transitive_closure_source_code(fn))
+    folder = tempfile.mkdtemp(prefix="cakeops-inductor-copy-")
+    path = os.path.join(folder, f"{fn.__name__}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"cakeops_inductor_copy_{fn.__name__}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _INDUCTOR_COPIES[fn] = getattr(module, fn.__name__)
+    return _INDUCTOR_COPIES[fn]
+
+
+def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_scalars: bool = False,
+                     inductor_source: bool = False) -> List[Built]:
     """Runs ``call`` (launchers on meta tensors) recording every Triton launch instead of running it, then
     compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given). ``inductor_scalars``:
-    float arguments typed FP64, as Inductor's launcher types them in a traced launch (Triton's: FP32)."""
+    float arguments typed FP64, as Inductor's launcher types them in a traced launch (Triton's: FP32).
+    ``inductor_source``: each kernel compiled from Inductor's copy of its source (``inductor_copy``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -155,7 +185,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
         if key in seen:
             continue
         seen.add(key)
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+        source = inductor_copy(fn) if inductor_source else fn
+        compiled = triton.compile(ASTSource(source, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
         regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
