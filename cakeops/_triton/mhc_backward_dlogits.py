@@ -20,7 +20,7 @@ the reverse walk are chains of dependent steps, so the kernel runs as fast as it
 import triton
 import triton.language as tl
 
-from .mhc_columns import RSTD as _RSTD, MIX as _MIX, DPOST as _DPOST, DCOMB as _DCOMB
+from .mhc_columns import RSTD, MIX, DPOST, DCOMB
 from .mhc_math import sigmoid, sinkhorn
 
 
@@ -136,10 +136,10 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
     ij = j[:, None] * N + j[None, :]
     s_row = STATS + t64 * stride_st
     g_row = GS + t64 * stride_gt
-    mix_pre, mix_post, mix_res = _load_logits(s_row + _MIX(N), t_ok, N)
-    rstd = tl.load(s_row + _RSTD(N), mask=t_ok, other=0.0)
-    dpost = tl.load(g_row[:, None] + _DPOST(N) + j[None, :], mask=t_ok[:, None], other=0.0)
-    dcomb = tl.load(g_row[:, None, None] + _DCOMB(N) + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
+    mix_pre, mix_post, mix_res = _load_logits(s_row + MIX(N), t_ok, N)
+    rstd = tl.load(s_row + RSTD(N), mask=t_ok, other=0.0)
+    dpost = tl.load(g_row[:, None] + DPOST(N) + j[None, :], mask=t_ok[:, None], other=0.0)
+    dcomb = tl.load(g_row[:, None, None] + DCOMB(N) + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
     # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
     sg_pre = sigmoid(mix_pre * scale_pre + base_pre)
     sg_post = sigmoid(mix_post * scale_post + base_post)

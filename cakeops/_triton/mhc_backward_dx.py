@@ -3,7 +3,7 @@ mhc_backward_finish.py."""
 import triton
 import triton.language as tl
 
-from .mhc_columns import PRE as _PRE, COMB as _COMB
+from .mhc_columns import PRE, COMB
 from .mhc_math import bf16_pieces, dot_bf16
 
 
@@ -62,11 +62,11 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
     else:
         x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
     du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
-    dx = tl.load(s_row + _PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
+    dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
     if MIX_STREAMS:
         for j in tl.static_range(N):
             dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
-            dx += tl.load(s_row + _COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
+            dx += tl.load(s_row + COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
     dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
     return x

@@ -16,10 +16,7 @@ import triton.language as tl
 from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .launch import next_power_of_2
-from .mhc_columns import (
-    POST as _POST, DPOST as _DPOST, DCOMB as _DCOMB, GRAD_STATS_USED as _GRAD_STATS_USED,
-    GRAD_STATS_WIDTH as _GRAD_STATS_WIDTH,
-)
+from .mhc_columns import POST, DPOST, DCOMB, GRAD_STATS_USED, GRAD_STATS_WIDTH
 
 
 @triton.jit
@@ -38,7 +35,7 @@ def _backward_prepare_kernel(
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, N)
     offs_c = tl.arange(0, BLOCK_C)
-    post = tl.load(STATS + t * stride_st + _POST(N) + i)
+    post = tl.load(STATS + t * stride_st + POST(N) + i)
     dy_base = DY + t * stride_dyt
     x_cols = X + t * stride_xt + i[None, :] * stride_xi
     acc_post = tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32)
@@ -60,12 +57,12 @@ def _backward_prepare_kernel(
                                                   N),)
         acc = rolled
     g_row = GS + t * stride_gt
-    tl.store(g_row + _DPOST(N) + i, tl.sum(acc_post, axis=0))
-    tl.store(g_row + _DCOMB(N) + i * N + i, tl.sum(acc[0], axis=0))
+    tl.store(g_row + DPOST(N) + i, tl.sum(acc_post, axis=0))
+    tl.store(g_row + DCOMB(N) + i * N + i, tl.sum(acc[0], axis=0))
     for shift in tl.static_range(1, N):
-        tl.store(g_row + _DCOMB(N) + i * N + (i + shift) % N, tl.sum(acc[shift], axis=0))
-    w = tl.arange(0, _GRAD_STATS_WIDTH(N))
-    tl.store(g_row + w, tl.zeros([_GRAD_STATS_WIDTH(N)], dtype=tl.float32), mask=w >= _GRAD_STATS_USED(N))
+        tl.store(g_row + DCOMB(N) + i * N + (i + shift) % N, tl.sum(acc[shift], axis=0))
+    w = tl.arange(0, GRAD_STATS_WIDTH(N))
+    tl.store(g_row + w, tl.zeros([GRAD_STATS_WIDTH(N)], dtype=tl.float32), mask=w >= GRAD_STATS_USED(N))
 
 
 @triton.jit

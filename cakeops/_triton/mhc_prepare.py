@@ -30,10 +30,7 @@ import triton.language as tl
 
 from .fast_launch import fast
 from ..meta import mhc_layout as layout
-from .mhc_columns import (
-    PRE as _PRE, POST as _POST, COMB as _COMB, RSTD as _RSTD, MIX as _MIX, STATS_USED as _STATS_USED,
-    STATS_WIDTH as _STATS_WIDTH, logits_pad,
-)
+from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, logits_pad
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
@@ -136,27 +133,27 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     # mix goes to its stats columns, then comes back in the shapes the gates and the Sinkhorn need
     # ([BLOCK_T, N], [BLOCK_T, N, N]): a cache-hot round trip of M floats per token, simpler than
     # re-laying out registers. The barrier makes the other threads' stores visible.
-    s_row = STATS + t64 * _STATS_WIDTH(N)
-    tl.store(s_row[:, None] + _MIX(N) + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
-    tl.store(s_row + _RSTD(N), rstd, mask=t_ok)
-    offs_w = tl.arange(0, _STATS_WIDTH(N))
-    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, _STATS_WIDTH(N)], dtype=tl.float32),
-             mask=t_ok[:, None] & (offs_w >= _STATS_USED(N))[None, :])
+    s_row = STATS + t64 * STATS_WIDTH(N)
+    tl.store(s_row[:, None] + MIX(N) + offs_m[None, :], mix, mask=t_ok[:, None] & (offs_m < M)[None, :])
+    tl.store(s_row + RSTD(N), rstd, mask=t_ok)
+    offs_w = tl.arange(0, STATS_WIDTH(N))
+    tl.store(s_row[:, None] + offs_w[None, :], tl.zeros([BLOCK_T, STATS_WIDTH(N)], dtype=tl.float32),
+             mask=t_ok[:, None] & (offs_w >= STATS_USED(N))[None, :])
     tl.debug_barrier()
 
     j = tl.arange(0, N)
     row_ok = t_ok[:, None]
-    z_pre = tl.load(s_row[:, None] + _MIX(N) + j[None, :], mask=row_ok, other=0.0)
-    z_post = tl.load(s_row[:, None] + _MIX(N) + N + j[None, :], mask=row_ok, other=0.0)
+    z_pre = tl.load(s_row[:, None] + MIX(N) + j[None, :], mask=row_ok, other=0.0)
+    z_post = tl.load(s_row[:, None] + MIX(N) + N + j[None, :], mask=row_ok, other=0.0)
     pre = sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
     post = 2.0 * sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
     ij = j[:, None] * N + j[None, :]
-    z_res = tl.load(s_row[:, None, None] + _MIX(N) + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
+    z_res = tl.load(s_row[:, None, None] + MIX(N) + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
     comb, _ = sinkhorn(z_res, tl.load(SCALE + 2), tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters,
                        STATS, 0, False)  # no scratch: nothing recorded
-    tl.store(s_row[:, None] + _PRE(N) + j[None, :], pre, mask=row_ok)
-    tl.store(s_row[:, None] + _POST(N) + j[None, :], post, mask=row_ok)
-    tl.store(s_row[:, None, None] + _COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
+    tl.store(s_row[:, None] + PRE(N) + j[None, :], pre, mask=row_ok)
+    tl.store(s_row[:, None] + POST(N) + j[None, :], post, mask=row_ok)
+    tl.store(s_row[:, None, None] + COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
 def _large_shared_memory(device: torch.device) -> bool:

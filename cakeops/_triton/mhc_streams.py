@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .fast_launch import fast
-from .mhc_columns import PRE as _PRE, POST as _POST, COMB as _COMB, STATS_WIDTH as _STATS_WIDTH
+from .mhc_columns import PRE, POST, COMB, STATS_WIDTH
 from .launch import cdiv, next_power_of_2
 
 
@@ -38,12 +38,12 @@ def _finish_kernel(
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     j = tl.arange(0, N)
-    s_row = STATS + t * _STATS_WIDTH(N)
+    s_row = STATS + t * STATS_WIDTH(N)
     b = tl.load(B + t * stride_bt + c, mask=c_ok, other=0.0).to(tl.float32)
-    y = tl.load(s_row + _POST(N) + j)[:, None] * b[None, :]
+    y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-        y += tl.load(s_row + _COMB(N) + i * N + j)[:, None] * x[None, :]
+        y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x[None, :]
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], y.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
 
@@ -60,7 +60,7 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st,
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
         if WEIGHTED:
-            acc += tl.load(STATS + t * stride_st + _PRE(N) + i) * x
+            acc += tl.load(STATS + t * stride_st + PRE(N) + i) * x
         else:
             acc += x
     if not WEIGHTED:
