@@ -194,6 +194,38 @@ _COMPILED_AUTOGRAD_SCRIPT = textwrap.dedent('''
 ''')
 
 
+_ANALYSIS_CACHE_SCRIPT = textwrap.dedent('''
+    import collections, torch
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops._ops import inductor
+    from cakeops.tiny_lm import TinyLM
+
+    inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    inductor._TRACE = "all"
+    passes = collections.Counter()
+    front_end = wrap.generate_ttir
+
+    def counting(kernel, *args, **kwargs):
+        passes[getattr(kernel, "fn", kernel).__name__] += 1
+        return front_end(kernel, *args, **kwargs)
+
+    wrap.generate_ttir = counting
+    with fake_driver():
+        seen = []
+        for layers in (1, 3):
+            torch._dynamo.reset()
+            torch.manual_seed(layers)
+            model = TinyLM(48, 32, layers=layers, heads=4)
+            torch.compile(model.loss, fullgraph=True, backend="aot_eager")(torch.randint(0, 48, (2, 9))).backward()
+            seen.append(sum(passes.values()))
+    # one front-end pass per distinct launch of the first model; a deeper model of the same sizes adds none
+    assert seen[0] >= 10 and seen[1] == seen[0], (seen, passes)
+    assert all(name.startswith("_") for name in passes), passes
+    print("analysed once", seen)
+''')
+
+
 def _run_without_interpreter(script: str, expect: str, fast_launch: str = "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -217,6 +249,13 @@ def test_compiled_autograd_sees_backward_ops():
     """With compiled autograd on, backward ops stay ops (its Dynamo cannot trace Inductor's kernel-launch operator:
     a graph break per kernel): a 2-block mHC TinyLM's backward is one graph of the cakeops backward ops."""
     _run_without_interpreter(_COMPILED_AUTOGRAD_SCRIPT, "one graph")
+
+
+def test_identical_launches_are_analysed_once():
+    """Inductor's front-end pass over a traced launch (which tensors it writes) runs once per distinct cakeops
+    launch: a 3-block model after a 1-block one of the same sizes adds no pass (each ~60 ms on the H200's host, three
+    per launch there: a 16-block model did not finish compiling in 150 s before the cache)."""
+    _run_without_interpreter(_ANALYSIS_CACHE_SCRIPT, "analysed once")
 
 
 def test_cpu_graphs_keep_the_ops():

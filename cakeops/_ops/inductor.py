@@ -20,7 +20,9 @@ fallback kernel runs (the dispatcher's call into Python, the op's body, the laun
 launch shapes are the eager path's (the body is the eager body), so the results are the same bits. Static means:
 CUDA tensors and the compiled Triton (not the interpreter), sizes that are plain ints (with symbolic sizes every
 launch shape would be a guard: the fallback below serves those), and not inside ``torch.export``. The cost is
-compile time: Inductor runs a Triton front-end pass over each traced launch to find the tensors it writes.
+compile time: Inductor runs a Triton front-end pass over each traced launch to find the tensors it writes (three
+times per launch on a GPU; ~60 ms each for the mHC kernels), so ``_cache_kernel_analysis`` keeps that analysis per
+cakeops kernel and argument kinds: the 2n layers of a model repeat the same launches.
 By default only the RMSNorm ops are traced, on the torch versions where a GPU ran them (``GPU_CHECKED_TORCH``);
 ``CAKEOPS_INDUCTOR_KERNELS=1`` traces every op on any torch (the mHC ops: same launches as eager on CPU, not yet
 run through Inductor on a GPU), ``=0`` none.
@@ -41,6 +43,7 @@ implementations check on each call (a dict lookup) and register once; Inductor a
 them (AOTAutograd) before it lowers it. If the internals ever move, the ops keep working through the implicit
 path, with a warning on the torch versions whose implicit path is slow at depth.
 """
+import copy
 import functools
 import os
 import sys
@@ -110,11 +113,68 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, back
                 and not (backward and compiled_autograd_on())):
             from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
 
+            _cache_kernel_analysis()
             with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
 
     op.register_torch_dispatch(FunctionalTensorMode, trace_body)
+
+
+_ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")  # torch 2.11-2.12, 2.13+
+
+
+def _cache_kernel_analysis() -> None:
+    """Caches Inductor's analysis of which tensors a cakeops kernel reads and writes (a Triton front-end pass) by
+    kernel and argument kinds: tensors by dtype, other arguments by value. What a kernel writes follows from its
+    code and constexprs alone, so identical launches (every layer of a model) share one pass. Other kernels are
+    analysed as before. Installed once; Inductor looks the analysis up in its module on every call."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    for name in _ANALYSES:
+        analyse = getattr(wrap, name, None)
+        if analyse is None or getattr(analyse, "_cakeops_cache", None) is not None:
+            continue
+        cache = {}
+
+        @functools.wraps(analyse)
+        def cached(kernel, kwargs, tma_descriptor_metadata, *rest, _analyse=analyse, _cache=cache):
+            key = _analysis_key(kernel, kwargs, tma_descriptor_metadata) if not rest else None
+            if key is None:
+                return _analyse(kernel, kwargs, tma_descriptor_metadata, *rest)
+            if key not in _cache:
+                _cache[key] = _analyse(kernel, kwargs, tma_descriptor_metadata)
+            return copy.copy(_cache[key])
+
+        cached._cakeops_cache = cache
+        setattr(wrap, name, cached)
+
+
+def _analysis_key(kernel, kwargs, tma_descriptor_metadata):
+    """(kernel, argument kinds) for a cakeops kernel's launch, or None (not ours, or an argument it cannot key)."""
+    # a launch with options reaches Inductor as a fresh Autotuner around the JITFunction, its options as configs
+    configs = tuple(str(c) for c in getattr(kernel, "configs", ()) or ())
+    jit = getattr(kernel, "fn", None) if configs or not hasattr(kernel, "arg_names") else kernel
+    if hasattr(jit, "configs"):
+        jit = jit.fn
+    if not getattr(getattr(jit, "fn", None), "__module__", "").startswith("cakeops.") or tma_descriptor_metadata:
+        return None
+    kinds = [configs]
+    for name, value in sorted(kwargs.items()):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            kinds.append((name, value))
+            continue
+        dtype = getattr(value, "dtype", None)  # a tensor (fake, functional) or an Inductor IR node
+        if dtype is None and hasattr(value, "get_dtype"):
+            dtype = value.get_dtype()
+        if dtype is None:
+            try:
+                kinds.append((name, int(value)))  # a sympy integer
+                continue
+            except (TypeError, ValueError):
+                return None
+        kinds.append((name, "tensor", str(dtype)))
+    return (jit, tuple(kinds))
 
 
 def compiled_autograd_on() -> bool:
