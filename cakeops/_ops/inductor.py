@@ -113,7 +113,8 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, back
                 and not (backward and compiled_autograd_on())):
             from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
 
-            _cache_kernel_analysis()
+            if _TRACE == "all":  # the default (RMSNorm) path runs without it: GPU-checked at depth before it existed
+                _cache_kernel_analysis()
             with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
