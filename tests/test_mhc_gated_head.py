@@ -209,6 +209,20 @@ def test_separate_dfn_and_per_chunk_dgate_at_other_stream_counts(triton_kernels,
         assert_close(name, g, r, grad_tol(torch.float32, name))
 
 
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_columns_form_computes_dx_and_dfn_in_one_pass(triton_kernels, gen, n, dtype, deterministic):
+    """dfn="columns" (dX and dfn from one read of X, as FMAs): several column blocks with a tail (C = 40 at 16
+    columns), three token splits with a tail (37 tokens in steps of 4), against fp64, deterministic and atomic."""
+    case = Case(gen, 37, n, 40, dtype)
+    stats = R.forward_stats(*case.f64(case.X, *case.params), case.rms_eps, case.hc_eps).float()
+    cfg = K.GatedHeadConfig(dfn="columns", columns_elems=16 * n, columns_block_t=4, columns_splits=3)
+    for name, g, r in zip(("dX", "dfn", "dscale", "dbase"), _backward_with(case, stats, cfg, deterministic),
+                          case.ref_backward()):
+        assert_close(name, g, r, grad_tol(dtype, name))
+
+
 def test_kernels_fit_shared_memory_on_sm90_and_sm80():
     """Every n's projection (the kernel whose pipeline grows with n) and the backward's big kernels, compiled for
     sm_90 and sm_80 by triton's own compiler at the launch shapes the launchers pick for a 132-SM GPU (no GPU

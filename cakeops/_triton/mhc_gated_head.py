@@ -24,6 +24,9 @@ Backward, two passes over X and dY, X's gradient written once:
   C, which ``dfn="separate"`` runs here with M = n logits); reusing the tile saves that pass but costs the dX
   kernel registers (sm_90 build at n = 4: 168 fused, 80 without), as it cost backward_finish's B (docs/perf.md).
   Deterministic: the [splits, n, n*C] dfn partials are summed in a fixed order; otherwise atomics.
+* ``dfn="columns"`` (``_head_dx_columns_kernel``): dX and dfn from one read of X as FMAs, each program a column
+  block of every stream over a range of tokens with fn's slice and dfn's accumulators in registers: the third
+  pass over X goes, the tensor cores' 16-row padding of the n logits too. Not yet timed on a GPU.
   Launch shapes and their alternatives: GatedHeadConfig; ``python -m cakeops.bench.tune --ops gated_head`` times
   them, ``python -m cakeops.bench.build_check`` compiles them for sm_90 without a GPU (shared memory, registers).
 
@@ -148,7 +151,13 @@ class GatedHeadConfig:
     dx_splits: Optional[int] = None
     dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
-    dfn: str = "separate"            # backward_finish's kernel C, or "fused" into the dX kernel
+    dfn: str = "separate"            # backward_finish's kernel C, "fused" into the dX kernel, or "columns"
+    columns_block_t: int = 4         # dfn="columns": tokens per step (in registers)
+    columns_elems: int = 1024        # dfn="columns": n * columns per program (8 per thread at 4 warps)
+    columns_warps: int = 4
+    columns_per_sm: int = 2
+    columns_stages: Optional[int] = None
+    columns_splits: Optional[int] = None
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -179,6 +188,13 @@ class GatedHeadConfig:
         dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
         builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
         G = GatedHeadConfig
+        # dX and dfn in one pass over X as FMAs (dfn="columns", written 2026-12-02, not yet timed on a GPU): sm_90
+        # builds at n = 4 take 208 registers (3 stages; 186 with one), 168 at 128 columns; n = 8 255 (no spill)
+        yield G(dfn="columns")
+        yield G(dfn="columns", columns_block_t=2, columns_per_sm=3)
+        yield G(dfn="columns", columns_elems=512, columns_per_sm=3)
+        yield G(dfn="columns", columns_block_t=8, columns_per_sm=1)
+        yield G(dfn="columns", columns_stages=1)
         # (dfn="fused_2d", one 2-D dot in the dX kernel: 0.703 ms against 0.661 at n = 4, H200 2026-12-01, removed)
         # first what the sm_90 builds point at (a short sweep may stop early): the separate dfn kernel (dX kernel
         # 80 registers instead of 168) with the dgate pass reduced per chunk (128 registers instead of 255)
@@ -376,6 +392,55 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
             tl.store(DFN + tl.program_id(1).to(tl.int64) * (N * N * C) + dst, dfn, mask=ok)
 
 
+@triton.jit
+def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
+                            stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
+                            N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """dX and dfn in one pass over X (``GatedHeadConfig.dfn="columns"``): one column block of every stream over a
+    range of token blocks, as FMAs (the projection has only n terms per element). [N, BLOCK_T, BLOCK_C] tiles:
+    threads own columns, warps own streams and the token axis stays in registers (sm_90 build, triton 3.6: no
+    shuffle in the loop and one layout for every tile), so dfn's sum over tokens is in-thread. fn's n rows and the
+    n dfn accumulators are tuples of [N, 1, BLOCK_C] tiles held for the whole range: per element n FMAs for
+    dz @ fn and n for dfn, against the tensor-core forms' 16-row padding and the third read of X by a separate
+    dfn kernel. DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials."""
+    i3 = tl.arange(0, N)[:, None, None]
+    c3 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    c_ok = c3 < C
+    fns = ()
+    dfns = ()
+    for m in tl.static_range(N):
+        fns = fns + (tl.load(FN + m * stride_fn + i3 * C + c3, mask=c_ok, other=0.0),)
+        dfns = dfns + (tl.zeros([N, 1, BLOCK_C], dtype=tl.float32),)
+    first = tl.program_id(1) * blocks_per_split
+    for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
+        t3 = block * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
+        t_ok = t3 < T
+        t64 = t3.to(tl.int64)
+        mask = t_ok & c_ok
+        x = tl.load(X + t64 * stride_xt + i3 * stride_xi + c3, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        # dY's row for every stream's warp (L1 serves the repeats): the tile keeps x's layout, no exchange
+        dy = tl.load(DY + t64 * stride_dyt + c3 + i3 * 0, mask=mask & (i3 < N), other=0.0).to(tl.float32)
+        g = tl.load(STATS + t64 * _WIDTH + _GATE + i3, mask=t_ok, other=0.0)
+        dz_row = DZ + t64 * M_PAD
+        dx = g * dy - x * tl.load(dz_row + N, mask=t_ok, other=0.0)
+        summed = ()
+        for m in tl.static_range(N):
+            dz_m = tl.load(dz_row + m, mask=t_ok, other=0.0)
+            dx += dz_m * fns[m]
+            summed = summed + (dfns[m] + tl.sum(dz_m * x, axis=1, keep_dims=True),)
+        dfns = summed
+        tl.store(DX + t64 * stride_dxt + i3 * stride_dxi + c3, dx.to(DX.dtype.element_ty), mask=mask)
+    ok = c_ok & (i3 < N)  # at the full shape: the interpreter's atomics do not broadcast masks
+    for m in tl.static_range(N):
+        if ATOMIC:
+            tl.atomic_add(DFN + m * (N * C) + i3 * C + c3, dfns[m], mask=ok)
+        else:
+            tl.store(DFN + tl.program_id(1).to(tl.int64) * (N * N * C) + m * (N * C) + i3 * C + c3, dfns[m],
+                     mask=ok)
+
+
 class _Plan(NamedTuple):
     dgate_block_t: int
     dgate_block_c: int
@@ -397,11 +462,15 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
                 cfg.dx_splits)
+    if cfg.dfn == "columns":
+        dx = _split(device, T, C, cfg.columns_block_t, max(16, cfg.columns_elems // n), cfg.columns_per_sm,
+                    cfg.columns_splits)
     dfn = dx
     if cfg.dfn == "separate":
         dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
     else:
-        assert cfg.dfn == "fused", f"GatedHeadConfig.dfn: 'fused' or 'separate', not {cfg.dfn!r}"
+        assert cfg.dfn in ("fused", "columns"), \
+            f"GatedHeadConfig.dfn: 'separate', 'fused' or 'columns', not {cfg.dfn!r}"
     sizes = (cdiv(C, cols) * T * n, T * M_PAD, cdiv(T, cfg.gates_block_t) * (n + 1),
              dfn.splits * n * n * C if deterministic else 0)
     return _Plan(block_t, block_c, cols, dx, dfn, sizes)
@@ -457,14 +526,22 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         sum_partials(part[:, n:], dscale, accumulate)
     precision = _precision(X.dtype)
     fused = cfg.dfn == "fused"
-    fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
-        X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
-        X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
-        N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-        X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **_stages(cfg.dx_stages),
-        **_register_cap(cfg.dx_maxnreg),
-    )
-    if not fused:
+    if cfg.dfn == "columns":
+        fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
+            X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
+            X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
+            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.columns_block_t, BLOCK_C=plan.dx.block_c,
+            num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
+        )
+    else:
+        fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
+            X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
+            X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
+            N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
+            X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **_stages(cfg.dx_stages),
+            **_register_cap(cfg.dx_maxnreg),
+        )
+    if cfg.dfn == "separate":
         fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
             X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
