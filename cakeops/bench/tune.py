@@ -271,7 +271,9 @@ def _gated_traffic(X, cfg) -> int:
     dgate X + dY, dX kernel X + dY + dX, the separate dfn kernel X once more."""
     T, n, C = X.shape
     x, dy = X.nbytes, T * C * X.element_size()
-    return 3 * x + 2 * dy + (x if cfg is not None and cfg.dfn == "separate" else 0)
+    from .._triton.mhc_gated_head import GatedHeadConfig
+
+    return 3 * x + 2 * dy + (x if (cfg or GatedHeadConfig()).dfn == "separate" else 0)
 
 
 def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 150.0):
