@@ -195,7 +195,7 @@ _COMPILED_AUTOGRAD_SCRIPT = textwrap.dedent('''
 
 
 _ANALYSIS_CACHE_SCRIPT = textwrap.dedent('''
-    import collections, torch
+    import collections, torch, warnings
     from torch._higher_order_ops import triton_kernel_wrap as wrap
     from cakeops.bench.host_rmsnorm import fake_driver
     from cakeops._ops import inductor
@@ -211,7 +211,8 @@ _ANALYSIS_CACHE_SCRIPT = textwrap.dedent('''
         return front_end(kernel, *args, **kwargs)
 
     wrap.generate_ttir = counting
-    with fake_driver():
+    with fake_driver(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         seen = []
         for layers in (1, 3):
             torch._dynamo.reset()
@@ -219,6 +220,8 @@ _ANALYSIS_CACHE_SCRIPT = textwrap.dedent('''
             model = TinyLM(48, 32, layers=layers, heads=4)
             torch.compile(model.loss, fullgraph=True, backend="aot_eager")(torch.randint(0, 48, (2, 9))).backward()
             seen.append(sum(passes.values()))
+    # the opt-in mode says once that it is experimental
+    assert sum("CAKEOPS_INDUCTOR_KERNELS=1" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
     # one front-end pass per distinct launch of the first model; a deeper model of the same sizes adds none
     assert seen[0] >= 10 and seen[1] == seen[0], (seen, passes)
     assert all(name.startswith("_") for name in passes), passes

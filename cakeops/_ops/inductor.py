@@ -115,6 +115,8 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, back
 
             if _TRACE == "all":  # the default (RMSNorm) path runs without it: GPU-checked at depth before it existed
                 _cache_kernel_analysis()
+                if not gpu_checked:
+                    _warn_unchecked_once()
             with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
@@ -176,6 +178,19 @@ def _analysis_key(kernel, kwargs, tma_descriptor_metadata):
                 return None
         kinds.append((name, "tensor", str(dtype)))
     return (jit, tuple(kinds))
+
+
+_warned_unchecked = False
+
+
+def _warn_unchecked_once() -> None:
+    global _warned_unchecked
+    if not _warned_unchecked:
+        _warned_unchecked = True
+        warnings.warn("CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the mHC ops as their Triton kernels, which is "
+                      "experimental (on an H200 a 16-block model hit an illegal memory access in its compiled "
+                      "backward, 2026-12-02); if a compiled model fails, unset it or set it to 0.",
+                      RuntimeWarning, stacklevel=2)
 
 
 def compiled_autograd_on() -> bool:
