@@ -158,8 +158,8 @@ def _analysis_key(kernel, kwargs, tma_descriptor_metadata):
     """(kernel, argument kinds) for a cakeops kernel's launch, or None (not ours, or an argument it cannot key)."""
     # a launch with options reaches Inductor as a fresh Autotuner around the JITFunction, its options as configs
     configs = tuple(str(c) for c in getattr(kernel, "configs", ()) or ())
-    jit = getattr(kernel, "fn", None) if configs or not hasattr(kernel, "arg_names") else kernel
-    if hasattr(jit, "configs"):
+    jit = kernel
+    while hasattr(jit, "configs"):
         jit = jit.fn
     if not getattr(getattr(jit, "fn", None), "__module__", "").startswith("cakeops.") or tma_descriptor_metadata:
         return None

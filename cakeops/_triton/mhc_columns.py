@@ -4,9 +4,9 @@ Called from host code they return plain ints.
 
 Each function computes its column from N alone, with no module global: Triton re-checks every global a kernel
 reads on each launch, and Inductor, when it launches a kernel itself, copies the kernel's source and the sources of
-the functions it calls into its own module, but not the globals those functions read. For the same reason
-kernels import them under these names: torch 2.11's copy defines a function under its own name, not an alias's. The formulas restate
-meta/mhc_layout.py's ``_layout``; tests/test_mhc_layout.py checks them against it for every supported n.
+the functions it calls into its own module, but not the globals those functions read. Kernels import them under
+these names: torch 2.11's copy defines a function under its own name, not under an import alias. The formulas
+restate meta/mhc_layout.py's ``_layout``; tests/test_mhc_nstreams.py checks them against it for every supported n.
 """
 import triton
 

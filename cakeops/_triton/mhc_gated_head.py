@@ -421,7 +421,7 @@ def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_spli
         x = tl.load(X + t64 * stride_xt + i3 * stride_xi + c3, mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         # dY's row for every stream's warp (L1 serves the repeats): the tile keeps x's layout, no exchange
-        dy = tl.load(DY + t64 * stride_dyt + c3 + i3 * 0, mask=mask & (i3 < N), other=0.0).to(tl.float32)
+        dy = tl.load(DY + t64 * stride_dyt + c3 + i3 * 0, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(STATS + t64 * _WIDTH + _GATE + i3, mask=t_ok, other=0.0)
         dz_row = DZ + t64 * M_PAD
         dx = g * dy - x * tl.load(dz_row + N, mask=t_ok, other=0.0)
@@ -460,11 +460,12 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         blocks = cdiv(T, block_t)
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
-    dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
-                cfg.dx_splits)
     if cfg.dfn == "columns":
         dx = _split(device, T, C, cfg.columns_block_t, max(16, cfg.columns_elems // n), cfg.columns_per_sm,
                     cfg.columns_splits)
+    else:
+        dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
+                    cfg.dx_splits)
     dfn = dx
     if cfg.dfn == "separate":
         dfn = _split(device, T, C, cfg.dfn_block_t, cfg.dfn_block_c, cfg.dfn_per_sm, cfg.dfn_splits, streams=n)
