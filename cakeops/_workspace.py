@@ -64,3 +64,19 @@ def carve(workspace_bytes: torch.Tensor, regions: Sequence[Tuple[Tuple[int, ...]
         views.append(workspace_bytes[offset:offset + nbytes].view(dtype).view(shape))
         offset += nbytes
     return views
+
+
+def fp32_scratch(sizes: Sequence[int], workspace, device: torch.device, separate: bool):
+    """FP32 scratch tensors of ``sizes`` elements, in order: views of ``workspace`` (flat FP32, or uint8 whose bytes
+    are read as FP32) when it holds them all, else new memory: one buffer split per call, or, when ``separate``, one
+    buffer per piece. ``separate`` while torch.compile traces the launches: Inductor (torch 2.11, H200) miscopied
+    kernel-written views of one buffer at depth -- a copy of 4.3 M elements read from a 1.6 M-element buffer, an
+    illegal memory access in a 16-block model's backward -- and whole buffers give it no views to copy."""
+    need = sum(sizes)
+    if workspace is not None and workspace.dtype == torch.uint8:
+        workspace = workspace[:4 * need].view(torch.float32)
+    if workspace is not None and workspace.numel() >= need:
+        return torch.split(workspace[:need], list(sizes))
+    if separate:
+        return tuple(torch.empty(size, dtype=torch.float32, device=device) for size in sizes)
+    return torch.split(torch.empty(need, dtype=torch.float32, device=device), list(sizes))

@@ -229,6 +229,36 @@ _ANALYSIS_CACHE_SCRIPT = textwrap.dedent('''
 ''')
 
 
+_INDUCTOR_CODE_SCRIPT = textwrap.dedent('''
+    import os, re
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"  # this code's own
+    import torch
+    from torch._inductor.runtime import triton_heuristics
+    from torch._inductor.utils import run_and_get_code
+    from cakeops.bench.host_rmsnorm import fake_driver
+    from cakeops._ops import inductor
+    from cakeops.tiny_lm import TinyLM
+
+    inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
+    inductor._TRACE = "all"
+    # Inductor's code for CPU tensors: its own kernels are C++, the traced Triton launches neither built nor run
+    torch._inductor.config.compile_threads = 1
+    triton_heuristics.CachingAutotuner.precompile = lambda self, *args, **kwargs: None
+    triton_heuristics.CachingAutotuner.run = lambda self, *args, **kwargs: None
+    with fake_driver():
+        torch.manual_seed(3)
+        model = TinyLM(48, 32, layers=2, heads=4)
+        compiled = torch.compile(model.loss, fullgraph=True)
+        _, codes = run_and_get_code(lambda: compiled(torch.randint(0, 48, (2, 16))).backward())
+    code = "\\n".join(codes)
+    assert len(codes) == 2 and len(re.findall(r"\\b_\\w+_kernel_\\d+\\.run\\(", code)) >= 40, code
+    views = [nodes for nodes in re.findall(r"Source Nodes: \\[([^]]*)\\]", code)
+             if "triton_kernel_wrapper" in nodes and re.search("as_strided|split_with_sizes|slice", nodes)]
+    assert not views, views
+    print("no views")
+''')
+
+
 def _run_without_interpreter(script: str, expect: str, fast_launch: str = "0"):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -259,6 +289,14 @@ def test_identical_launches_are_analysed_once():
     launch: a 3-block model after a 1-block one of the same sizes adds no pass (each ~60 ms on the H200's host, three
     per launch there: a 16-block model did not finish compiling in 150 s before the cache)."""
     _run_without_interpreter(_ANALYSIS_CACHE_SCRIPT, "analysed once")
+
+
+def test_inductor_hands_traced_kernels_whole_buffers():
+    """Inductor's code (CPU tensors, its own kernels as C++) for a 2-block mHC TinyLM with every op traced: no
+    traced kernel writes a view Inductor made of a scratch buffer. With one workspace split into pieces, Inductor
+    (torch 2.11, H200) copied a 4.3 M-element view out of a 1.6 M-element buffer in a 16-block model's backward:
+    an illegal memory access (``_workspace.fp32_scratch``)."""
+    _run_without_interpreter(_INDUCTOR_CODE_SCRIPT, "no views")
 
 
 def test_cpu_graphs_keep_the_ops():

@@ -111,7 +111,7 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, back
         if not all(map(_plain, types)):  # a tensor subclass (DTensor) dispatches first
             return NotImplemented
         if ((_TRACE == "all" or (_TRACE == "checked" and gpu_checked)) and _kernels_visible(args)
-                and not (backward and compiled_autograd_on())):
+                and not _given_workspace(func, args, kwargs) and not (backward and compiled_autograd_on())):
             from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
 
             if _TRACE == "all":  # the default (RMSNorm) path runs without it: GPU-checked at depth before it existed
@@ -212,6 +212,17 @@ def _kernels_visible(args) -> bool:
     from torch.export._trace import custom_triton_ops_decomposition_disabled
 
     return not custom_triton_ops_decomposition_disabled()
+
+
+def _given_workspace(op, args, kwargs) -> bool:
+    """Whether the caller handed the op a workspace: it stays the op, which carves its scratch from that buffer
+    (traced, the kernels would write views of a graph input: the views Inductor miscopied, ``fp32_scratch``)."""
+    for i, argument in enumerate(op._schema.arguments):
+        if "workspace" in argument.name:
+            given = args[i] if i < len(args) else kwargs.get(argument.name)
+            if given is not None:
+                return True
+    return False
 
 
 def _compiled_triton(x: torch.Tensor) -> bool:

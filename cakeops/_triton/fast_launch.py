@@ -149,6 +149,11 @@ class launches_traced:
         _tracing = self.saved
 
 
+def tracing() -> bool:
+    """Whether the launches made now are traced for Inductor (inside ``launches_traced``)."""
+    return _tracing
+
+
 class FastKernel:
     """A Triton ``@jit`` kernel launched through a per-specialization cache (module docstring)."""
 

@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import fast
+from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
+from .._workspace import fp32_scratch
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
@@ -371,12 +372,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # memory (sm_90 has 227 KB), 16 fit
         cfg = replace(cfg, block_c=cfg.block_c // 2)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
-    need = sum(plan.sizes)
-    if workspace is not None and workspace.dtype == torch.uint8:
-        workspace = workspace[:4 * need].view(torch.float32)
-    if workspace is None or workspace.numel() < need:
-        workspace = torch.empty(need, dtype=torch.float32, device=X.device)
-    dz, part, scratch, dfn_part, dpre = torch.split(workspace[:need], plan.sizes)
+    dz, part, scratch, dfn_part, dpre = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)

@@ -41,10 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .fast_launch import fast
+from .fast_launch import fast, tracing
 from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
+from .._workspace import fp32_scratch
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
 from .mhc_backward_finish import _precision, _register_cap, _split, _stages, _zero_unless_accumulate
@@ -503,10 +504,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     assert all(t.dtype == torch.float32 for t in (fn, scale, base, stats, dfn, dscale, dbase))
     cfg = config or GatedHeadConfig()
     plan = _plan(T, n, C, X.device, deterministic, cfg)
-    need = sum(plan.sizes)
-    if workspace is None or workspace.numel() < need:
-        workspace = torch.empty(need, dtype=torch.float32, device=X.device)
-    dg, dz, part, dfn_part = torch.split(workspace[:need], plan.sizes)
+    dg, dz, part, dfn_part = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
