@@ -18,15 +18,17 @@ Backward, two passes over X and dY, X's gradient written once:
 * ``_head_dlogits_kernel``, many small token blocks: dlogit = dg * s'(z), dz = rstd*dlogit*scale and
   s = rstd^2/K * sum_i dmix_i*mix_i into a small FP32 row per token; per-program partial sums of dbase and
   dscale (fixed-order reduction after, by ``partials.sum_partials``), or atomics.
-* ``_head_dx_kernel``, grid (C chunks) x (token splits): dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through
+* ``_head_dx_columns_kernel`` (the default, ``GatedHeadConfig.dfn="columns"``): dX and dfn from one read of X as
+  FMAs, each program a column block of every stream over a range of tokens with fn's slice and dfn's
+  accumulators in registers: no third pass over X, no tensor-core padding of the n logits to 16 rows. H200
+  (T=16384 C=4096 bf16, 2026-12-02): backward 0.365 / 0.639 / 1.329 ms at n = 2 / 4 / 8 against 0.415 / 0.662 /
+  1.536 with the separate dfn kernel. Deterministic: [splits, n, n*C] dfn partials summed in a fixed order.
+* ``_head_dx_kernel`` (``dfn="separate"`` or ``"fused"``), grid (C chunks) x (token splits): dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through
   backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and (``GatedHeadConfig.dfn="fused"``)
   dfn += dz^T @ x on the same x tile, per token split: backward_finish reads X a third time for dfn (its kernel
   C, which ``dfn="separate"`` runs here with M = n logits); reusing the tile saves that pass but costs the dX
   kernel registers (sm_90 build at n = 4: 168 fused, 80 without), as it cost backward_finish's B (docs/perf.md).
   Deterministic: the [splits, n, n*C] dfn partials are summed in a fixed order; otherwise atomics.
-* ``dfn="columns"`` (``_head_dx_columns_kernel``): dX and dfn from one read of X as FMAs, each program a column
-  block of every stream over a range of tokens with fn's slice and dfn's accumulators in registers: the third
-  pass over X goes, the tensor cores' 16-row padding of the n logits too. Not yet timed on a GPU.
   Launch shapes and their alternatives: GatedHeadConfig; ``python -m cakeops.bench.tune --ops gated_head`` times
   them, ``python -m cakeops.bench.build_check`` compiles them for sm_90 without a GPU (shared memory, registers).
 
@@ -126,8 +128,9 @@ class GatedHeadConfig:
     4 M_PAD) bytes plus 16 KiB: 180224 at every n on sm_90 (the 232448 limit) and 163840 on sm_80 (166912);
     n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check).
 
-    Backward: the dgate pass, then per-token dlogits, then dX through backward_finish's kernel B tile (16-token
-    blocks, ``dx_elems // n`` columns) with dfn either accumulated on the same x tile (``dfn="fused"``) or by
+    Backward: the dgate pass, then per-token dlogits, then dX and dfn in one FMA pass (``dfn="columns"``,
+    ``columns_*``: n * ``columns_elems`` columns per program, ``columns_block_t`` tokens per step), or dX through
+    backward_finish's kernel B tile (16-token blocks, ``dx_elems // n`` columns) with dfn either accumulated on the same x tile (``dfn="fused"``) or by
     backward_finish's kernel C, a skinny GEMM that reads X once more (``dfn="separate"``: perf.md measured the
     fused form costing kernel B ~0.3 ms in backward_finish; here the fused dX kernel took 1150 of 1353 us at n = 4,
     the separate pair 338 + 131). ``dx_per_sm``: programs per SM the token splits are sized for; None takes 6
@@ -152,7 +155,8 @@ class GatedHeadConfig:
     dx_splits: Optional[int] = None
     dx_maxnreg: Optional[int] = None  # dX kernel: register cap per thread
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
-    dfn: str = "separate"            # backward_finish's kernel C, "fused" into the dX kernel, or "columns"
+    dfn: str = "columns"             # one FMA pass for dX and dfn; backward_finish's kernel C ("separate"), or
+    #                                  "fused" into the tensor-core dX kernel
     columns_block_t: int = 4         # dfn="columns": tokens per step (in registers)
     columns_elems: int = 1024        # dfn="columns": n * columns per program (8 per thread at 4 warps)
     columns_warps: int = 4
@@ -189,20 +193,20 @@ class GatedHeadConfig:
         dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
         builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
         G = GatedHeadConfig
-        # dX and dfn in one pass over X as FMAs (dfn="columns", written 2026-12-02, not yet timed on a GPU): sm_90
-        # builds at n = 4 take 208 registers (3 stages; 186 with one), 168 at 128 columns; n = 8 255 (no spill)
-        yield G(dfn="columns")
-        yield G(dfn="columns", columns_block_t=2, columns_per_sm=3)
-        yield G(dfn="columns", columns_elems=512, columns_per_sm=3)
-        yield G(dfn="columns", columns_block_t=8, columns_per_sm=1)
-        yield G(dfn="columns", columns_stages=1)
+        # the one-pass FMA form (default; sm_90 at n = 4: 208 registers, 2 programs per SM). H200 2026-12-02, n = 4
+        # backward: default 0.639 ms, one stage the same; 2 tokens at 3 per SM 0.712; 8 tokens at 1 per SM 0.776;
+        # 512 elements at 3 per SM 2.770 (not understood; not swept again)
+        yield G(columns_block_t=2, columns_per_sm=3)
+        yield G(columns_block_t=8, columns_elems=512)  # 207 registers: 8 tokens of 4 columns per thread
+        yield G(columns_stages=1)
+        # the tensor-core dX kernel with backward_finish's dfn kernel (the default until 2026-12-02: 0.662 ms at n = 4)
+        yield G(dfn="separate")
         # (dfn="fused_2d", one 2-D dot in the dX kernel: 0.703 ms against 0.661 at n = 4, H200 2026-12-01, removed)
         # first what the sm_90 builds point at (a short sweep may stop early): the separate dfn kernel (dX kernel
         # 80 registers instead of 168) with the dgate pass reduced per chunk (128 registers instead of 255)
         yield G(dfn="separate", dx_per_sm=4, dgate_reduce_per_chunk=True)
         yield G(dfn="separate", dx_per_sm=6, dx_elems=128, dgate_reduce_per_chunk=True)
         yield G(dfn="separate", dx_per_sm=6, dgate_reduce_per_chunk=True)
-        yield G(dgate_reduce_per_chunk=True)
         for per_sm, elems, stages in ((None, 256, 2), (4, 256, 2), (5, 256, 3), (6, 128, 2)):
             yield G(dfn="separate", dx_per_sm=per_sm, dx_elems=elems, dx_stages=stages)
         yield G(dfn="separate", dx_per_sm=4, dfn_block_c=512, dfn_per_sm=1)
@@ -210,11 +214,11 @@ class GatedHeadConfig:
         # the dgate pass (X as one tile, dgate_x_per_stream=False, spills 604 bytes on sm_90: not swept)
         yield G(dgate_elems=64)
         yield G(dgate_elems=256, dgate_reduce_per_chunk=True, dgate_warps=8)
-        # the fused dX + dfn kernel: programs per SM, tile widths, stages, a register cap
+        # the tensor-core dX kernel and the separate dfn kernel: programs per SM, tile widths, stages, a register cap
         for per_sm, elems in ((2, 256), (4, 256), (4, 128), (6, 128)):
-            yield G(dx_per_sm=per_sm, dx_elems=elems)
-        yield G(dx_stages=3)
-        yield G(dx_maxnreg=128, dx_per_sm=4)
+            yield G(dfn="separate", dx_per_sm=per_sm, dx_elems=elems)
+        yield G(dfn="separate", dx_stages=3)
+        yield G(dfn="separate", dx_maxnreg=128, dx_per_sm=4)
 
 
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
