@@ -56,8 +56,8 @@ def triton_kernels():
 
 
 @pytest.fixture
-def opaque_rmsnorm(monkeypatch):
-    """The RMSNorm ops kept as ops under torch.compile on a GPU too, where they are otherwise traced as their
+def opaque_ops(monkeypatch):
+    """The cakeops ops kept as ops under torch.compile on a GPU too, where they are otherwise traced as their
     kernels (cakeops/_ops/inductor.py): for tests of the op-level graphs."""
     from cakeops._ops import inductor
 

@@ -75,7 +75,7 @@ def test_gated_head_alone_n2_dynamic_tokens_do_not_recompile():
     assert_dynamic_tokens_compile_once(head, inputs)
 
 
-def test_aot_graphs_hold_the_two_ops():
+def test_aot_graphs_hold_the_two_ops(opaque_ops):
     """The forward graph runs mhc_gated_head_fwd; the backward graph mhc_gated_head_bwd on the saved record, and
     nothing copies X or the tangent."""
     X, fn, scale, base = _inputs((4, 4, 8), torch.float32, True, seed=4)

@@ -71,7 +71,7 @@ def _cakeops_ops(code: str):
     return re.findall(r"torch\.ops\.cakeops\.(\w+)\.default", code)
 
 
-def test_op_sequence_of_the_graphs(opaque_rmsnorm):
+def test_op_sequence_of_the_graphs(opaque_ops):
     model = _model()
     graphs = aot_graph_codes(model.loss, _tokens(2, 9, 3))
     assert_expected_inline(" ".join(_cakeops_ops(graphs["forward"])), """mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_prepare rmsnorm_fwd mhc_finish mhc_head_fwd rmsnorm_fwd""")

@@ -98,7 +98,7 @@ def _aot_graphs(fn, *args):
     return graphs
 
 
-def test_aot_graphs_plain(opaque_rmsnorm):
+def test_aot_graphs_plain(opaque_ops):
     x = torch.randn(8, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(16, device=DEVICE, requires_grad=True)
     graphs = _aot_graphs(lambda x, w: cake_rmsnorm(x, w, 1e-6), x, w)
@@ -120,7 +120,7 @@ def forward(self, primals_1, primals_2, detach, tangents_1):
     return (getitem_2, getitem_3)""")
 
 
-def test_aot_graphs_residual(opaque_rmsnorm):
+def test_aot_graphs_residual(opaque_ops):
     x = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     r = torch.randn(8, 16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(16, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)

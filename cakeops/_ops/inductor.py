@@ -23,10 +23,11 @@ launch shape would be a guard: the fallback below serves those), and not inside 
 compile time: Inductor runs a Triton front-end pass over each traced launch to find the tensors it writes (three
 times per launch on a GPU; ~60 ms each for the mHC kernels), so ``_cache_kernel_analysis`` keeps that analysis per
 cakeops kernel and argument kinds: the 2n layers of a model repeat the same launches.
-By default only the RMSNorm ops are traced, on the torch versions where a GPU ran them (``GPU_CHECKED_TORCH``);
-``CAKEOPS_INDUCTOR_KERNELS=1`` traces every op on any torch, ``=0`` none. The mHC ops traced: eager's bits in small
-models on an H200 (torch 2.11, 2026-12-02), but a 16-block model hit an illegal memory access in its compiled
-backward there, not yet explained: opt-in, with a warning.
+By default the ops are traced on the torch versions where a GPU ran them so (``GPU_CHECKED_TORCH``);
+``CAKEOPS_INDUCTOR_KERNELS=1`` traces them on any torch (with a warning where unchecked), ``=0`` on none. Scratch
+buffers are whole tensors while traced: Inductor miscopied kernel-written views of one split workspace in a deep
+model (``_workspace.fp32_scratch``). Compiled graphs then hold the bodies, which torch's AOTAutograd cache cannot
+see: ``stamp_compile_caches`` keys torch.compile's caches on the cakeops sources.
 
 Backward ops stay ops while compiled autograd is on when the graph is traced (``torch._dynamo.config.
 compiled_autograd`` or inside ``compiled_autograd._enable``): compiled autograd copies a compiled backward graph into
@@ -46,9 +47,11 @@ path, with a warning on the torch versions whose implicit path is slow at depth.
 """
 import copy
 import functools
+import hashlib
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -81,9 +84,9 @@ def register_fake(op, fake: Callable, unchecked: Optional[Callable] = None) -> N
         _UNCHECKED[overload] = define_unchecked(overload, fake, unchecked)
 
 
-# The torch versions whose Inductor compiled and ran the traced RMSNorm kernels on a GPU, bit for bit as eager
-# (H200, torch 2.11, 2026-12-01). The mHC ops trace too (eager's bits in small models on the H200, 2026-12-02) but
-# are not in the checked set: a 16-block model failed (module docstring).
+# The torch versions whose Inductor compiled and ran the traced kernels on a GPU: RMSNorm bit for bit as eager
+# (H200, torch 2.11, 2026-12-01); the mHC layer and gated head ops eager's bits in small models and a 16-block
+# model trained (H200, torch 2.11, 2026-12-02, after the whole-buffer scratch fix: ``_workspace.fp32_scratch``).
 GPU_CHECKED_TORCH = ((2, 11),)
 
 
@@ -93,11 +96,49 @@ def _trace_mode() -> str:
     chosen = os.environ.get("CAKEOPS_INDUCTOR_KERNELS")
     if chosen is not None:
         return "none" if chosen == "0" else "all"
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return "checked" if version in GPU_CHECKED_TORCH else "none"
+    return "checked" if _torch_version() in GPU_CHECKED_TORCH else "none"
+
+
+def _torch_version():
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 _TRACE = _trace_mode()
+
+
+def traces_bodies() -> bool:
+    """Whether torch.compile traces some op's body in this process (``_TRACE``)."""
+    return _TRACE != "none"
+
+
+def source_stamp() -> str:
+    """A digest of the cakeops sources (this package and cakeops.meta): what a traced body launches."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in map(importlib.import_module, ("cakeops", "cakeops.meta")):
+        root = Path(package.__file__).resolve().parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def stamp_compile_caches() -> None:
+    """Adds ``cakeops-<source_stamp()>`` to torch.compile's cache key tag, where the ops' bodies are traced.
+
+    torch's AOTAutograd cache keys a compiled graph on the Dynamo graph, in which a cakeops op is its name: it does
+    not see the body torch.compile traced in the op's place (``register_visible_kernels``) -- the launchers'
+    Python and kernels. After a cakeops upgrade the cache would hand back the old body's compiled code (seen on
+    this machine: a fixed launcher kept its bug through a warm cache). The tag is part of every torch.compile cache
+    key (Inductor's FX graph cache, AOTAutograd's, autotuning's): entries made by other cakeops sources miss. A tag
+    the user set is kept, ours appended."""
+    config = getattr(torch.compiler, "config", None)
+    tag = getattr(config, "cache_key_tag", None)
+    if tag is None:
+        return
+    mark = f"cakeops-{source_stamp()}"
+    if mark not in tag:
+        config.cache_key_tag = f"{tag}|{mark}" if tag else mark
 
 
 def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, backward: bool = False) -> None:
@@ -114,10 +155,9 @@ def register_visible_kernels(op, body: Callable, gpu_checked: bool = False, back
                 and not _given_workspace(func, args, kwargs) and not (backward and compiled_autograd_on())):
             from .._triton.fast_launch import launches_traced  # triton loads on first use, not at import
 
-            if _TRACE == "all":  # the default (RMSNorm) path runs without it: GPU-checked at depth before it existed
-                _cache_kernel_analysis()
-                if not gpu_checked:
-                    _warn_unchecked_once()
+            _cache_kernel_analysis()
+            if _TRACE == "all" and not (gpu_checked and _torch_version() in GPU_CHECKED_TORCH):
+                _warn_unchecked_once()
             with mode, launches_traced():
                 return body(*args, **kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)
@@ -188,9 +228,10 @@ def _warn_unchecked_once() -> None:
     global _warned_unchecked
     if not _warned_unchecked:
         _warned_unchecked = True
-        warnings.warn("CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the mHC ops as their Triton kernels, which is "
-                      "experimental (on an H200 a 16-block model hit an illegal memory access in its compiled "
-                      "backward, 2026-12-02); if a compiled model fails, unset it or set it to 0.",
+        checked = ", ".join(".".join(map(str, v)) for v in GPU_CHECKED_TORCH)
+        warnings.warn(f"CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the cakeops ops as their Triton kernels on "
+                      f"torch {torch.__version__}, where no GPU has run them traced yet (checked: torch {checked}); "
+                      "if a compiled model fails, set CAKEOPS_INDUCTOR_KERNELS=0 (the ops stay ops).",
                       RuntimeWarning, stacklevel=2)
 
 
