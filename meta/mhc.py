@@ -16,16 +16,14 @@ def edges(X: torch.Tensor):
 
     They must have the gradients' shapes ([T, n, C] and [T, GRAD_STATS_WIDTH(n)]) but hold nothing: every
     stride is 0, so each is one element of storage (zeroed, so the op's outputs are deterministic) and costs
-    no HBM traffic. The zeroing writes that one element through a one-element view: ``zero_()`` on the
-    zero-stride tensor itself would visit all T*n*C positions (a 268M-element fill at T=16384, C=4096).
+    no HBM traffic: a zero-dimensional zero, expanded. (``zero_()`` on a zero-stride tensor would visit all T*n*C
+    positions, a 268M-element fill at T=16384, C=4096; zeroing its one element through an ``as_strided`` view
+    is what AOTAutograd cannot keep: where torch.compile traces the op's body, it materialized the edges as
+    full contiguous tensors, garbage but the one element.)
     """
     T, n, C = X.shape
-    e_dy = torch.empty_strided((T, n, C), (0, 0, 0), dtype=X.dtype, device=X.device)
-    e_gs = torch.empty_strided((T, grad_stats_width(checks.n_streams(X))), (0, 0), dtype=torch.float32,
-                               device=X.device)
-    for e in (e_dy, e_gs):
-        if e.numel():
-            e.as_strided((1,), (1,)).zero_()
+    e_dy = torch.zeros((), dtype=X.dtype, device=X.device).expand(T, n, C)
+    e_gs = torch.zeros((), dtype=torch.float32, device=X.device).expand(T, grad_stats_width(checks.n_streams(X)))
     return e_dy, e_gs
 
 
