@@ -110,11 +110,6 @@ def _torch_version():
 _TRACE = _trace_mode()
 
 
-def traces_bodies() -> bool:
-    """Whether torch.compile traces some op's body in this process (``_TRACE``)."""
-    return _TRACE != "none"
-
-
 def source_stamp() -> str:
     """A digest of the cakeops sources (this package and cakeops.meta): what a traced body launches."""
     import importlib
@@ -128,14 +123,14 @@ def source_stamp() -> str:
 
 
 def stamp_compile_caches() -> None:
-    """Adds ``cakeops-<source_stamp()>`` to torch.compile's cache key tag, where the ops' bodies are traced.
+    """Adds ``cakeops-<source_stamp()>`` to torch.compile's cache key tag (at import).
 
     torch's AOTAutograd cache keys a compiled graph on the Dynamo graph, in which a cakeops op is its name: it does
     not see the body torch.compile traced in the op's place (``register_visible_kernels``) -- the launchers'
-    Python and kernels. After a cakeops upgrade the cache would hand back the old body's compiled code (seen on
-    this machine: a fixed launcher kept its bug through a warm cache). The tag is part of every torch.compile cache
-    key (Inductor's FX graph cache, AOTAutograd's, autotuning's): entries made by other cakeops sources miss. A tag
-    the user set is kept, ours appended."""
+    Python and kernels -- nor an op's fake. After a cakeops upgrade the cache would hand back code compiled
+    against the old version (seen on this machine: a fixed launcher kept its bug through a warm cache). The tag is
+    part of every torch.compile cache key (Inductor's FX graph cache, AOTAutograd's, autotuning's): entries made
+    with other cakeops sources miss. A tag the user set is kept, ours appended."""
     config = getattr(torch.compiler, "config", None)
     tag = getattr(config, "cache_key_tag", None)
     if tag is None:
