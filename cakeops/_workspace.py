@@ -66,17 +66,31 @@ def carve(workspace_bytes: torch.Tensor, regions: Sequence[Tuple[Tuple[int, ...]
     return views
 
 
+def fp32_scratch_numel(sizes: Sequence[int]) -> int:
+    """FP32 elements ``fp32_scratch`` carves ``sizes`` from: every piece starts at a multiple of ``ALIGN`` bytes."""
+    return sum(_align(4 * size) // 4 for size in sizes)
+
+
 def fp32_scratch(sizes: Sequence[int], workspace, device: torch.device, separate: bool):
-    """FP32 scratch tensors of ``sizes`` elements, in order: views of ``workspace`` (flat FP32, or uint8 whose bytes
-    are read as FP32) when it holds them all, else new memory: one buffer split per call, or, when ``separate``, one
-    buffer per piece. ``separate`` while torch.compile traces the launches: Inductor (torch 2.11, H200) miscopied
-    kernel-written views of one buffer at depth -- a copy of 4.3 M elements read from a 1.6 M-element buffer, an
-    illegal memory access in a 16-block model's backward -- and whole buffers give it no views to copy."""
-    need = sum(sizes)
+    """FP32 scratch tensors of ``sizes`` elements, in order, each starting at a multiple of ``ALIGN`` bytes: views
+    of ``workspace`` (flat FP32, or uint8 whose bytes are read as FP32) when it holds ``fp32_scratch_numel(sizes)``
+    elements, else new memory: one buffer per call, or, when ``separate``, one buffer per piece.
+
+    ``separate`` while torch.compile traces the launches: Inductor (torch 2.11, H200) miscopied kernel-written views
+    of one buffer at depth -- a copy of 4.3 M elements read from a 1.6 M-element buffer, an illegal memory access in
+    a 16-block model's backward -- and whole buffers give it no views to copy. The alignment makes both forms
+    launch the same kernels: Triton specializes a pointer on its 16-byte alignment, and the specialization can
+    change a reduction's layout, so a piece at an odd offset summed its partials in another order (a gated-head
+    model's fn gradient, traced against eager, H200)."""
+    need = fp32_scratch_numel(sizes)
     if workspace is not None and workspace.dtype == torch.uint8:
         workspace = workspace[:4 * need].view(torch.float32)
-    if workspace is not None and workspace.numel() >= need:
-        return torch.split(workspace[:need], list(sizes))
-    if separate:
-        return tuple(torch.empty(size, dtype=torch.float32, device=device) for size in sizes)
-    return torch.split(torch.empty(need, dtype=torch.float32, device=device), list(sizes))
+    if workspace is None or workspace.numel() < need:
+        if separate:
+            return tuple(torch.empty(size, dtype=torch.float32, device=device) for size in sizes)
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    pieces, offset = [], 0
+    for size in sizes:
+        pieces.append(workspace[offset:offset + size])
+        offset += _align(4 * size) // 4
+    return tuple(pieces)

@@ -128,8 +128,10 @@ _MHC_LAUNCH_SCRIPT = textwrap.dedent('''
     launches = collections.defaultdict(list)
 
     def launcher(name, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *args):
+        # with each tensor's 16-byte alignment: Triton specializes on it (a reduction's layout can follow)
         launches[name].append((gx, gy, gz, tuple(
-            (a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)))
+            (a.dtype, tuple(a.shape), a.stride(), a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+            else (type(a), a) for a in args)))
 
     def layer(X, fn, scale, base, w, gfn, gscale, gbase):
         U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=6)

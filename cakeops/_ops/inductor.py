@@ -28,8 +28,10 @@ By default only the RMSNorm ops are traced, on the torch versions where a GPU ra
 ops traced, on an H200 (torch 2.11, 2026-12-02): a 16-block model trains with the ops' losses and a 27 % shorter
 compiled step, but two checks failed there: opcheck's AOT dispatch saw other outputs of the forward ops (the
 prepare op's zero-stride edges came out of functionalization as full tensors of garbage: fixed since in
-``meta.mhc.edges``, checked on CPU only) and a small gated-head model's fn gradient was not eager's bits (not
-explained). Opt-in, with a warning, until a GPU runs the compile tests clean in this mode. Scratch
+``meta.mhc.edges``) and a small gated-head model's fn gradient was not eager's bits (eager's scratch pieces were
+not 16-byte aligned where the traced ones were, and Triton specializes on that: now every piece is,
+``_workspace.fp32_scratch``). Both fixes checked on CPU only: opt-in, with a warning, until a GPU runs the compile
+tests clean in this mode. Scratch
 buffers are whole tensors while traced: Inductor miscopied kernel-written views of one split workspace in a deep
 model (``_workspace.fp32_scratch``). Compiled graphs then hold the bodies, which torch's AOTAutograd cache cannot
 see: ``stamp_compile_caches`` keys torch.compile's caches on the cakeops sources.
@@ -228,9 +230,9 @@ def _warn_unchecked_once() -> None:
     if not _warned_unchecked:
         _warned_unchecked = True
         warnings.warn("CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the mHC ops as their Triton kernels, which is "
-                      "experimental (H200, torch 2.11: a 16-block model trains as with the ops, but a bitwise "
-                      "gradient check of the gated head failed); if a compiled model fails, unset it or set it to "
-                      "0.", RuntimeWarning, stacklevel=2)
+                      "experimental (on an H200 a 16-block model trains as with the ops, but the latest fixes of "
+                      "this mode have not run on a GPU); if a compiled model fails, unset it or set it to 0.",
+                      RuntimeWarning, stacklevel=2)
 
 
 def compiled_autograd_on() -> bool:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
-from .._workspace import fp32_scratch
+from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
@@ -292,7 +292,8 @@ def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device:
     """FP32 elements of the workspace backward_finish uses for these sizes and n streams (0 when T == 0)."""
     if T == 0:
         return 0
-    return sum(_plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig(), n).sizes)
+    return fp32_scratch_numel(
+        _plan(T, C, sinkhorn_iters, torch.device(device), deterministic, config or FinishConfig(), n).sizes)
 
 
 def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, deterministic: bool = True,
@@ -309,14 +310,14 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
     M = layout.n_logits(n)
     iters_range = range(1, layout.MAX_SINKHORN_ITERS + 1) if sinkhorn_iters is None else (sinkhorn_iters,)
     worst = max((_plan(T, C, it, device, False, cfg, n) for it in iters_range), key=lambda p: sum(p.sizes))
-    numel = sum(worst.sizes) - worst.sizes[-1] + _dpre_rows_max(T, C, device, cfg) * n  # dpre: see _dpre_rows_max
+    dfn_partials = 0
     if deterministic:
         dfn = _dfn_split(device, T, C, cfg, n)
         token_blocks = cdiv(T, cfg.dfn_block_t)
         requested = cfg.dfn_splits or max(1, persistent_programs(device, dfn.columns * token_blocks,
                                                                    cfg.dfn_per_sm) // dfn.columns)
-        numel += min(requested, token_blocks) * M * n * C
-    return numel * 4
+        dfn_partials = min(requested, token_blocks) * M * n * C
+    return 4 * fp32_scratch_numel(worst.sizes[:3] + (dfn_partials, _dpre_rows_max(T, C, device, cfg) * n))
 
 
 def _stages(stages: Optional[int]) -> dict:

@@ -47,7 +47,7 @@ from .fast_launch import fast, tracing
 from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
-from .._workspace import fp32_scratch
+from .._workspace import fp32_scratch, fp32_scratch_numel
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
 from .mhc_backward_finish import _precision, _register_cap, _split, _stages, _zero_unless_accumulate
@@ -487,7 +487,7 @@ def backward_workspace_numel(T: int, n: int, C: int, device, deterministic: bool
     """FP32 elements of the workspace the gated head backward uses for these sizes (0 when T == 0)."""
     if T == 0:
         return 0
-    return sum(_plan(T, n, C, torch.device(device), deterministic, config or GatedHeadConfig()).sizes)
+    return fp32_scratch_numel(_plan(T, n, C, torch.device(device), deterministic, config or GatedHeadConfig()).sizes)
 
 
 def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
