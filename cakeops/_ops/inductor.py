@@ -31,10 +31,10 @@ prepare op's zero-stride edges came out of functionalization as full tensors of 
 ``meta.mhc.edges``) and a small gated-head model's fn gradient was not eager's bits (eager's scratch pieces were
 not 16-byte aligned where the traced ones were, and Triton specializes on that: now every piece is,
 ``_workspace.fp32_scratch``). Both fixes checked on CPU only: opt-in, with a warning, until a GPU runs the compile
-tests clean in this mode. Scratch
-buffers are whole tensors while traced: Inductor miscopied kernel-written views of one split workspace in a deep
-model (``_workspace.fp32_scratch``). Compiled graphs then hold the bodies, which torch's AOTAutograd cache cannot
-see: ``stamp_compile_caches`` keys torch.compile's caches on the cakeops sources.
+tests clean in this mode. Scratch buffers are whole tensors while traced: Inductor miscopied kernel-written views of
+one split workspace in a deep model (an illegal memory access, ``_workspace.fp32_scratch``). Compiled graphs hold
+the bodies, which torch's AOTAutograd cache cannot see: ``stamp_compile_caches`` keys torch.compile's caches on the
+cakeops sources.
 
 Backward ops stay ops while compiled autograd is on when the graph is traced (``torch._dynamo.config.
 compiled_autograd`` or inside ``compiled_autograd._enable``): compiled autograd copies a compiled backward graph into

@@ -23,8 +23,9 @@ Backward, two passes over X and dY, X's gradient written once:
   accumulators in registers: no third pass over X, no tensor-core padding of the n logits to 16 rows. H200
   (T=16384 C=4096 bf16, 2026-12-02): backward 0.365 / 0.639 / 1.329 ms at n = 2 / 4 / 8 against 0.415 / 0.662 /
   1.536 with the separate dfn kernel. Deterministic: [splits, n, n*C] dfn partials summed in a fixed order.
-* ``_head_dx_kernel`` (``dfn="separate"`` or ``"fused"``), grid (C chunks) x (token splits): dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through
-  backward_finish's ``_dx_tile`` (its residual-mixing term switched off), and (``GatedHeadConfig.dfn="fused"``)
+* ``_head_dx_kernel`` (``dfn="separate"`` or ``"fused"``), grid (C chunks) x (token splits):
+  dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through backward_finish's ``_dx_tile`` (its residual-mixing term
+  switched off), and (``GatedHeadConfig.dfn="fused"``)
   dfn += dz^T @ x on the same x tile, per token split: backward_finish reads X a third time for dfn (its kernel
   C, which ``dfn="separate"`` runs here with M = n logits); reusing the tile saves that pass but costs the dX
   kernel registers (sm_90 build at n = 4: 168 fused, 80 without), as it cost backward_finish's B (docs/perf.md).
@@ -130,7 +131,8 @@ class GatedHeadConfig:
 
     Backward: the dgate pass, then per-token dlogits, then dX and dfn in one FMA pass (``dfn="columns"``,
     ``columns_*``: n * ``columns_elems`` columns per program, ``columns_block_t`` tokens per step), or dX through
-    backward_finish's kernel B tile (16-token blocks, ``dx_elems // n`` columns) with dfn either accumulated on the same x tile (``dfn="fused"``) or by
+    backward_finish's kernel B tile (16-token blocks, ``dx_elems // n`` columns) with dfn either accumulated on the
+    same x tile (``dfn="fused"``) or by
     backward_finish's kernel C, a skinny GEMM that reads X once more (``dfn="separate"``: perf.md measured the
     fused form costing kernel B ~0.3 ms in backward_finish; here the fused dX kernel took 1150 of 1353 us at n = 4,
     the separate pair 338 + 131). ``dx_per_sm``: programs per SM the token splits are sized for; None takes 6
