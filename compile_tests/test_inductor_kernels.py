@@ -245,6 +245,15 @@ _INDUCTOR_CODE_SCRIPT = textwrap.dedent('''
     inductor._compiled_triton = lambda x: True  # the stand-in driver's kernels stand for CUDA ones
     inductor._TRACE = "all"
     # Inductor's code for CPU tensors: its own kernels are C++, the traced Triton launches neither built nor run
+    # (torch 2.14 asks a Triton CPU backend for the launch options: the stand-in driver's sm_90 answers instead)
+    from torch._dynamo import device_interface
+    from torch._inductor.runtime import triton_helpers
+    from triton.backends.compiler import GPUTarget
+    device_interface.CpuInterface.raise_if_triton_unavailable = staticmethod(lambda device=None: None)
+    if hasattr(triton_helpers, "get_backend_options_for_target"):
+        options_for = triton_helpers.get_backend_options_for_target
+        triton_helpers.get_backend_options_for_target = lambda target, options=None: options_for(
+            GPUTarget("cuda", 90, 32), options)
     torch._inductor.config.compile_threads = 1
     triton_heuristics.CachingAutotuner.precompile = lambda self, *args, **kwargs: None
     triton_heuristics.CachingAutotuner.run = lambda self, *args, **kwargs: None
@@ -373,7 +382,7 @@ _BUILD_SCRIPT = textwrap.dedent('''
         assert [(b.kernel, b.ptx_sha) for b in copied] == [(b.kernel, b.ptx_sha) for b in traced]
         names |= {b.kernel for b in traced}
     assert {"_rmsnorm_fwd_kernel", "_rmsnorm_bwd_kernel", "_gates_kernel", "_head_gates_kernel",
-            "_dlogits_kernel", "_dx_kernel", "_head_dx_kernel"} <= names, names
+            "_dlogits_kernel", "_dx_kernel", "_head_dx_columns_kernel"} <= names, names
     print("builds ok", len(names))
 ''')
 
