@@ -67,8 +67,8 @@ def carve(workspace_bytes: torch.Tensor, regions: Sequence[Tuple[Tuple[int, ...]
 
 
 def fp32_scratch_numel(sizes: Sequence[int]) -> int:
-    """FP32 elements ``fp32_scratch`` carves ``sizes`` from: every piece starts at a multiple of ``ALIGN`` bytes."""
-    return sum(_align(4 * size) // 4 for size in sizes)
+    """FP32 elements ``fp32_scratch`` carves ``sizes`` from: ``layout_bytes``' layout of FP32 pieces."""
+    return layout_bytes([((size,), torch.float32) for size in sizes]) // 4
 
 
 def fp32_scratch(sizes: Sequence[int], workspace, device: torch.device, separate: bool):
@@ -90,7 +90,8 @@ def fp32_scratch(sizes: Sequence[int], workspace, device: torch.device, separate
             return tuple(torch.empty(size, dtype=torch.float32, device=device) for size in sizes)
         workspace = torch.empty(need, dtype=torch.float32, device=device)
     pieces, offset = [], 0
-    for size in sizes:
+    for size in sizes:  # carve's offsets, sliced from FP32 (a third of carve's host time: a backward's hot path)
+        offset = _align(4 * offset) // 4
         pieces.append(workspace[offset:offset + size])
-        offset += _align(4 * size) // 4
+        offset += size
     return tuple(pieces)
