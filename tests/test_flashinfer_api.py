@@ -200,6 +200,24 @@ def test_a_workspace_serves_every_smaller_token_count(triton_kernels):
             assert 4 * backward_finish_workspace_numel(t, H, iters, device) <= bwd, (t, iters)
 
 
+def test_the_forward_workspace_size_follows_the_gpus_slicing_rule(monkeypatch):
+    """On a GPU the projection's column slices depend on T against the multiprocessor count (the H200's 132 stood in
+    here): the size for T must cover the partials of every T' <= T, the largest by elements (found on the H200:
+    20000 tokens' size picked the shape with most slices, 256 bytes short of T' = 8193's)."""
+    from cakeops._triton import mhc_prepare
+    from cakeops._workspace import layout_bytes
+
+    monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm=2: min(work, 132 * per_sm))
+    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
+    gpu, H = torch.device("cuda"), 4096
+    for n, big in ((4, 20000), (8, 12000)):
+        size = mhc_prepare.workspace_bytes_max(big, n, H, gpu)
+        for t in sorted({1, 100, 2048, 2049, 4096, 8192, 8193, 8320, 8448, 8449, 12000, 16384, big}):
+            if t <= big:
+                cfg = mhc_prepare.PrepareConfig().resolve_for(t, H, gpu, n=n)
+                assert layout_bytes(mhc_prepare.workspace_regions(t, n, H, torch.bfloat16, cfg)) <= size, (n, t)
+
+
 def test_workspace_errors_say_what_is_needed(triton_kernels):
     X, fn, scale, base = _inputs()
     with pytest.raises(ValueError, match=r"^workspace: this call needs \d+ bytes of workspace, got 16; "

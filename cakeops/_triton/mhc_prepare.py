@@ -21,6 +21,7 @@ do no argument validation (the public layer does); X is [T, n, C] with unit stri
 stream strides.
 """
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -303,8 +304,8 @@ def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Op
     base = layer_config(config, n, device.type == "cuda")
     block = 64 if n > 4 else 128
     candidates = {T} | {block * k for k in range(1, min(cdiv(T, block), 257))}
-    parts = max(workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n))[0][0]
-                for t in candidates if t <= T)
+    parts = max((workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n))[0][0]
+                 for t in candidates if t <= T), key=math.prod)  # by elements: shapes compare lexicographically
     M = 2 * n + n * n
     return layout_bytes([((2, M, n * C), torch.bfloat16), (parts, torch.float32)])
 
