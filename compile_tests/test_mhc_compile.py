@@ -182,7 +182,7 @@ def test_inductor_runs_the_four_ops_and_nothing_else():
         return cake_mhc_train_finish(X, U, handle)
 
     calls = _inductor_calls(layer, X, fn, scale, base)
-    if X.is_cuda and inductor._TRACE == "all":  # the ops' kernels, launched by Inductor's code: none of its own
+    if X.is_cuda and inductor._TRACE != "none":  # the ops' kernels, launched by Inductor's code: none of its own
         assert len(calls) >= 8 and all(re.fullmatch(r"_\w+_kernel_\d+\.run", c) for c in calls), calls
     else:  # each op's unchecked twin (cakeops/_ops/inductor.py): its fake checked the arguments at trace time
         assert calls == [

@@ -23,18 +23,13 @@ launch shape would be a guard: the fallback below serves those), and not inside 
 compile time: Inductor runs a Triton front-end pass over each traced launch to find the tensors it writes (three
 times per launch on a GPU; ~60 ms each for the mHC kernels), so ``_cache_kernel_analysis`` keeps that analysis per
 cakeops kernel and argument kinds: the 2n layers of a model repeat the same launches.
-By default only the RMSNorm ops are traced, on the torch versions where a GPU ran them (``GPU_CHECKED_TORCH``);
-``CAKEOPS_INDUCTOR_KERNELS=1`` traces every op on any torch (with a warning), ``=0`` none. The mHC and gated-head
-ops traced, on an H200 (torch 2.11, 2026-12-02): a 16-block model trains with the ops' losses and a 27 % shorter
-compiled step, but two checks failed there: opcheck's AOT dispatch saw other outputs of the forward ops (the
-prepare op's zero-stride edges came out of functionalization as full tensors of garbage: fixed since in
-``meta.mhc.edges``) and a small gated-head model's fn gradient was not eager's bits (eager's scratch pieces were
-not 16-byte aligned where the traced ones were, and Triton specializes on that: now every piece is,
-``_workspace.fp32_scratch``). Both fixes checked on CPU only: opt-in, with a warning, until a GPU runs the compile
-tests clean in this mode. Scratch buffers are whole tensors while traced: Inductor miscopied kernel-written views of
-one split workspace in a deep model (an illegal memory access, ``_workspace.fp32_scratch``). Compiled graphs hold
-the bodies, which torch's AOTAutograd cache cannot see: ``stamp_compile_caches`` keys torch.compile's caches on the
-cakeops sources.
+By default every op is traced, on the torch versions where a GPU ran them so (``GPU_CHECKED_TORCH``);
+``CAKEOPS_INDUCTOR_KERNELS=1`` traces them on any torch (with a warning on the others), ``=0`` never. On an H200
+(torch 2.11, 2026-12-02) the compile tests pass with every op traced, and a 16-block model trains with the ops'
+losses in a compiled step of 71 ms against 98 ms with the ops. Scratch buffers are whole tensors while traced:
+Inductor miscopied kernel-written views of one split workspace in a deep model (an illegal memory access,
+``_workspace.fp32_scratch``). Compiled graphs hold the bodies, which torch's AOTAutograd cache cannot see:
+``stamp_compile_caches`` keys torch.compile's caches on the cakeops sources.
 
 Backward ops stay ops while compiled autograd is on when the graph is traced (``torch._dynamo.config.
 compiled_autograd`` or inside ``compiled_autograd._enable``): compiled autograd copies a compiled backward graph into
@@ -91,8 +86,8 @@ def register_fake(op, fake: Callable, unchecked: Optional[Callable] = None) -> N
         _UNCHECKED[overload] = define_unchecked(overload, fake, unchecked)
 
 
-# The torch versions whose Inductor compiled and ran the traced RMSNorm kernels on a GPU, bit for bit as eager
-# (H200, torch 2.11, 2026-12-01). The mHC and gated-head ops trace too but are not GPU-checked (module docstring).
+# The torch versions whose Inductor compiled and ran the traced kernels on a GPU, bit for bit as eager (H200, torch
+# 2.11: RMSNorm 2026-12-01, the mHC and gated-head ops 2026-12-02).
 GPU_CHECKED_TORCH = ((2, 11),)
 
 
@@ -229,9 +224,10 @@ def _warn_unchecked_once() -> None:
     global _warned_unchecked
     if not _warned_unchecked:
         _warned_unchecked = True
-        warnings.warn("CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the mHC ops as their Triton kernels, which is "
-                      "experimental (on an H200 a 16-block model trains as with the ops, but the latest fixes of "
-                      "this mode have not run on a GPU); if a compiled model fails, unset it or set it to 0.",
+        warnings.warn(f"CAKEOPS_INDUCTOR_KERNELS=1: torch.compile traces the cakeops ops as their Triton kernels on "
+                      f"torch {torch.__version__}, where no GPU has run them so (checked on torch "
+                      f"{', '.join('.'.join(map(str, v)) for v in GPU_CHECKED_TORCH)}); if a compiled model fails, "
+                      f"unset it (the ops stay ops on this torch) and report the failure.",
                       RuntimeWarning, stacklevel=2)
 
 

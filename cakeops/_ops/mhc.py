@@ -267,7 +267,7 @@ for _op, _fake, _unchecked in (
         (mhc_backward_prepare, fake.mhc_backward_prepare, _mhc_backward_prepare),
         (mhc_backward_finish, fake.mhc_backward_finish, _mhc_backward_finish)):
     inductor.register_fake(_op, _fake, unchecked=_unchecked)
-    inductor.register_visible_kernels(_op, _unchecked,
+    inductor.register_visible_kernels(_op, _unchecked, gpu_checked=True,
                                       backward=_op in (mhc_head_bwd, mhc_backward_prepare, mhc_backward_finish))
 
 

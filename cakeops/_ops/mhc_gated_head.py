@@ -90,8 +90,8 @@ def mhc_gated_head_bwd(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: T
 # the unchecked bodies: what compiled graphs call (inductor.define_unchecked)
 inductor.register_fake(mhc_gated_head_fwd, fake.mhc_gated_head_fwd, unchecked=_mhc_gated_head_fwd)
 inductor.register_fake(mhc_gated_head_bwd, fake.mhc_gated_head_bwd, unchecked=_mhc_gated_head_bwd)
-inductor.register_visible_kernels(mhc_gated_head_fwd, _mhc_gated_head_fwd)
-inductor.register_visible_kernels(mhc_gated_head_bwd, _mhc_gated_head_bwd, backward=True)
+inductor.register_visible_kernels(mhc_gated_head_fwd, _mhc_gated_head_fwd, gpu_checked=True)
+inductor.register_visible_kernels(mhc_gated_head_bwd, _mhc_gated_head_bwd, gpu_checked=True, backward=True)
 
 
 def gated_head_backward(bwd, dY: Optional[Tensor], X: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
