@@ -165,6 +165,7 @@ class GatedHeadConfig:
     columns_per_sm: int = 2
     columns_stages: Optional[int] = None
     columns_splits: Optional[int] = None
+    columns_prefetch: bool = False   # dfn="columns": the next block's loads issued before this block's FMAs
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -198,6 +199,9 @@ class GatedHeadConfig:
         # the one-pass FMA form (default; sm_90 at n = 4: 208 registers, 2 programs per SM). H200 2026-12-02, n = 4
         # backward: default 0.639 ms, one stage the same; 2 tokens at 3 per SM 0.712; 8 tokens at 1 per SM 0.776;
         # 512 elements at 3 per SM 2.770 (not understood; not swept again)
+        yield G(columns_prefetch=True)
+        yield G(columns_prefetch=True, columns_block_t=2)
+        yield G(columns_prefetch=True, columns_block_t=2, columns_per_sm=3)
         yield G(columns_block_t=2, columns_per_sm=3)
         yield G(columns_block_t=8, columns_elems=512)  # 207 registers: 8 tokens of 4 columns per thread
         yield G(columns_stages=1)
@@ -400,17 +404,32 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
 
 
 @triton.jit
+def _columns_tiles(X, DY, block, T, i3, c3, c_ok, stride_xt, stride_xi, stride_dyt, BLOCK_T: tl.constexpr):
+    """x [N, BLOCK_T, BLOCK_C] and dY (its row repeated for every stream's warp, which L1 serves: the tile keeps
+    x's layout, no exchange) of one token block, as stored; tokens from T on read as zeros."""
+    t3 = block * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
+    t64 = t3.to(tl.int64)
+    mask = (t3 < T) & c_ok
+    x = tl.load(X + t64 * stride_xt + i3 * stride_xi + c3, mask=mask, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(DY + t64 * stride_dyt + c3 + i3 * 0, mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                             stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
                             N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
+                            BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr):
     """dX and dfn in one pass over X (``GatedHeadConfig.dfn="columns"``): one column block of every stream over a
     range of token blocks, as FMAs (the projection has only n terms per element). [N, BLOCK_T, BLOCK_C] tiles:
     threads own columns, warps own streams and the token axis stays in registers (sm_90 build, triton 3.6: no
     shuffle in the loop and one layout for every tile), so dfn's sum over tokens is in-thread. fn's n rows and the
     n dfn accumulators are tuples of [N, 1, BLOCK_C] tiles held for the whole range: per element n FMAs for
     dz @ fn and n for dfn, against the tensor-core forms' 16-row padding and the third read of X by a separate
-    dfn kernel. DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials."""
+    dfn kernel. DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials. PREFETCH: the next block's x and dY are
+    loaded (as stored, 16-bit) before this block's FMAs, so each program keeps two blocks' loads in flight: Triton
+    pipelines only loads that feed a ``tl.dot``, and at 2 programs per SM one block's bytes do not cover DRAM's
+    latency."""
     i3 = tl.arange(0, N)[:, None, None]
     c3 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c3 < C
@@ -420,15 +439,22 @@ def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_spli
         fns = fns + (tl.load(FN + m * stride_fn + i3 * C + c3, mask=c_ok, other=0.0),)
         dfns = dfns + (tl.zeros([N, 1, BLOCK_C], dtype=tl.float32),)
     first = tl.program_id(1) * blocks_per_split
-    for block in range(first, tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))):
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))
+    if PREFETCH:
+        x_next, dy_next = _columns_tiles(X, DY, first, T, i3, c3, c_ok, stride_xt, stride_xi, stride_dyt, BLOCK_T)
+    for block in range(first, last):
         t3 = block * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
         t_ok = t3 < T
         t64 = t3.to(tl.int64)
         mask = t_ok & c_ok
-        x = tl.load(X + t64 * stride_xt + i3 * stride_xi + c3, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        # dY's row for every stream's warp (L1 serves the repeats): the tile keeps x's layout, no exchange
-        dy = tl.load(DY + t64 * stride_dyt + c3 + i3 * 0, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x, dy = x_next, dy_next
+            x_next, dy_next = _columns_tiles(X, DY, block + 1, tl.minimum(T, last * BLOCK_T), i3, c3, c_ok,
+                                             stride_xt, stride_xi, stride_dyt, BLOCK_T)
+        else:
+            x, dy = _columns_tiles(X, DY, block, T, i3, c3, c_ok, stride_xt, stride_xi, stride_dyt, BLOCK_T)
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
         g = tl.load(STATS + t64 * _WIDTH + _GATE + i3, mask=t_ok, other=0.0)
         dz_row = DZ + t64 * M_PAD
         dx = g * dy - x * tl.load(dz_row + N, mask=t_ok, other=0.0)
@@ -536,7 +562,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.columns_block_t, BLOCK_C=plan.dx.block_c,
-            num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
+            PREFETCH=cfg.columns_prefetch, num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
