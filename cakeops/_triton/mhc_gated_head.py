@@ -22,7 +22,9 @@ Backward, two passes over X and dY, X's gradient written once:
   FMAs, each program a column block of every stream over a range of tokens with fn's slice and dfn's
   accumulators in registers: no third pass over X, no tensor-core padding of the n logits to 16 rows. H200
   (T=16384 C=4096 bf16, 2026-12-02): backward 0.365 / 0.639 / 1.329 ms at n = 2 / 4 / 8 against 0.415 / 0.662 /
-  1.536 with the separate dfn kernel. Deterministic: [splits, n, n*C] dfn partials summed in a fixed order.
+  1.536 with the separate dfn kernel; at n = 4 with the next step's loads issued before this step's FMAs (Triton
+  pipelines only loads that feed tl.dot) 0.599 ms. Deterministic: [splits, n, n*C] dfn partials summed in a fixed
+  order.
 * ``_head_dx_kernel`` (``dfn="separate"`` or ``"fused"``), grid (C chunks) x (token splits):
   dX = round(g_i*dY - x_i*s + (dz @ fn)_i) through backward_finish's ``_dx_tile`` (its residual-mixing term
   switched off), and (``GatedHeadConfig.dfn="fused"``)
@@ -130,7 +132,7 @@ class GatedHeadConfig:
     n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check).
 
     Backward: the dgate pass, then per-token dlogits, then dX and dfn in one FMA pass (``dfn="columns"``,
-    ``columns_*``: n * ``columns_elems`` columns per program, ``columns_block_t`` tokens per step), or dX through
+    ``columns_*``: n * ``columns_elems`` columns per program, ``columns_shape(n)`` its steps), or dX through
     backward_finish's kernel B tile (16-token blocks, ``dx_elems // n`` columns) with dfn either accumulated on the
     same x tile (``dfn="fused"``) or by
     backward_finish's kernel C, a skinny GEMM that reads X once more (``dfn="separate"``: perf.md measured the
@@ -159,13 +161,13 @@ class GatedHeadConfig:
     x_per_stream: bool = True        # _dx_tile's X layout (mhc_backward_finish.FinishConfig.x_per_stream)
     dfn: str = "columns"             # one FMA pass for dX and dfn; backward_finish's kernel C ("separate"), or
     #                                  "fused" into the tensor-core dX kernel
-    columns_block_t: int = 4         # dfn="columns": tokens per step (in registers)
+    columns_block_t: Optional[int] = None  # dfn="columns": tokens per step (in registers); None: columns_shape(n)
     columns_elems: int = 1024        # dfn="columns": n * columns per program (8 per thread at 4 warps)
     columns_warps: int = 4
-    columns_per_sm: int = 2
+    columns_per_sm: Optional[int] = None   # None: columns_shape(n)
     columns_stages: Optional[int] = None
     columns_splits: Optional[int] = None
-    columns_prefetch: bool = False   # dfn="columns": the next block's loads issued before this block's FMAs
+    columns_prefetch: Optional[bool] = None  # the next block's loads issued before this block's FMAs (None: n's)
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -187,6 +189,15 @@ class GatedHeadConfig:
         # at 32 (H200, 2026-12-01, .devrun/proto_head_rows.py "cur"; the whole backward at 64 not yet timed)
         return self.dx_elems if self.dx_elems is not None else 64 * n
 
+    # n = 4: 2 tokens per step with the next step's loads in flight, 3 programs per SM (168 registers): 0.599 ms
+    # against 0.640 for 4 tokens at 2 per SM without (208 registers), 0.613 with (241). n = 2 and 8 slower with it
+    # (0.374 against 0.364, 1.818 against 1.329 ms: n = 8's 255 registers leave no room). H200, 2026-12-02.
+    def columns_shape(self, n: int) -> tuple:
+        """(tokens per step, programs per SM, prefetch) of the one-pass kernel at n streams."""
+        block_t, per_sm, prefetch = (2, 3, True) if n == 4 else (4, 2, False)
+        return (self.columns_block_t or block_t, self.columns_per_sm or per_sm,
+                prefetch if self.columns_prefetch is None else self.columns_prefetch)
+
     def dx_num_warps(self, n: int) -> int:
         return self.dx_warps if self.dx_warps is not None else (2 if n == 2 else 4)
 
@@ -196,14 +207,14 @@ class GatedHeadConfig:
         dfn kernel (backward_finish's C shapes), register caps, the dgate pass's forms. Registers from the sm_90
         builds (python -m cakeops.bench.build_check --n 4 --all-candidates)."""
         G = GatedHeadConfig
-        # the one-pass FMA form (default; sm_90 at n = 4: 208 registers, 2 programs per SM). H200 2026-12-02, n = 4
-        # backward: default 0.639 ms, one stage the same; 2 tokens at 3 per SM 0.712; 8 tokens at 1 per SM 0.776;
-        # 512 elements at 3 per SM 2.770 (not understood; not swept again)
-        yield G(columns_prefetch=True)
-        yield G(columns_prefetch=True, columns_block_t=2)
-        yield G(columns_prefetch=True, columns_block_t=2, columns_per_sm=3)
-        yield G(columns_block_t=2, columns_per_sm=3)
-        yield G(columns_block_t=8, columns_elems=512)  # 207 registers: 8 tokens of 4 columns per thread
+        # the one-pass FMA form (default; columns_shape). H200 2026-12-02, n = 4 backward without the prefetch:
+        # 4 tokens at 2 per SM 0.639 ms (208 registers), one stage the same; 2 tokens at 3 per SM 0.712; 8 tokens at
+        # 1 per SM 0.776; 512 elements at 3 per SM 2.770 (not understood; not swept again). With it: 4 tokens at 2
+        # per SM 0.613 (241 registers), 2 tokens at 2 per SM 0.697, the default 0.599 (168 registers)
+        yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=False)
+        yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=True)
+        yield G(columns_block_t=2, columns_per_sm=3, columns_prefetch=False)
+        yield G(columns_block_t=8, columns_elems=512, columns_per_sm=2, columns_prefetch=False)  # 207 registers
         yield G(columns_stages=1)
         # the tensor-core dX kernel with backward_finish's dfn kernel (the default until 2026-12-02: 0.662 ms at n = 4)
         yield G(dfn="separate")
@@ -494,7 +505,8 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     if cfg.dfn == "columns":
-        dx = _split(device, T, C, cfg.columns_block_t, max(16, cfg.columns_elems // n), cfg.columns_per_sm,
+        block_t, per_sm, _ = cfg.columns_shape(n)
+        dx = _split(device, T, C, block_t, max(16, cfg.columns_elems // n), per_sm,
                     cfg.columns_splits)
     else:
         dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
@@ -561,8 +573,8 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
-            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.columns_block_t, BLOCK_C=plan.dx.block_c,
-            PREFETCH=cfg.columns_prefetch, num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
+            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.columns_shape(n)[0], BLOCK_C=plan.dx.block_c,
+            PREFETCH=cfg.columns_shape(n)[2], num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
