@@ -213,6 +213,10 @@ class GatedHeadConfig:
         # per SM 0.613 (241 registers), 2 tokens at 2 per SM 0.697, the default 0.599 (168 registers)
         yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=False)
         yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=True)
+        yield G(columns_block_t=1, columns_per_sm=5, columns_prefetch=True)  # 96 registers
+        yield G(columns_block_t=1, columns_per_sm=4, columns_prefetch=True)
+        yield G(columns_elems=512, columns_block_t=2, columns_per_sm=4, columns_prefetch=True)  # 128 registers
+        yield G(columns_elems=512, columns_block_t=4, columns_per_sm=3, columns_prefetch=True)  # 168 registers
         yield G(columns_block_t=2, columns_per_sm=3, columns_prefetch=False)
         yield G(columns_block_t=8, columns_elems=512, columns_per_sm=2, columns_prefetch=False)  # 207 registers
         yield G(columns_stages=1)
