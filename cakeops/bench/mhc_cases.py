@@ -296,6 +296,14 @@ def _layer_check(s):
                     if i != 2])
 
 
+def _kernels_note(run):
+    """The row's GPU kernel time per call (profiler): where the row's time is above it, the GPU waited for the host
+    (do_bench's L2 flush hides only part of a public function's host path)."""
+    def note(s):
+        return {"GPU kernel time per call": f"{sum(kernel_times_us(lambda: run(s), reps=3).values()) / 1e3:.3f} ms"}
+    return note
+
+
 def _cases():
     def peers(eager):
         return {"torch eager": eager, "torch.compile": lambda s: _compiled(eager)(s)}
@@ -315,7 +323,7 @@ def _cases():
         for i, size in enumerate(SHAPES + STREAM_SHAPES):
             tiny = TINY if "n" not in size else dict(TINY, n=size["n"])
             yield Case(family="mhc", name=name, size=size, make=_make, run=run, nbytes=nbytes, check=check, tol=tol,
-                       peers=peers(eager), tiny=tiny, quick=i == 0)
+                       peers=peers(eager), tiny=tiny, quick=i == 0, notes=_kernels_note(run) if i == 0 else None)
     gated = (
         ("mhc gated head fwd", _gated_fwd, _gated_fwd_bytes, _gated_fwd_check, {"Y": OUT_TOL, "stats": STATS_TOL},
          _gated_fwd_ref),
@@ -326,7 +334,8 @@ def _cases():
         for i, size in enumerate(SHAPES + STREAM_SHAPES):
             tiny = TINY if "n" not in size else dict(TINY, n=size["n"])
             yield Case(family="mhc", name=name, size=size, make=_make_gated, run=run, nbytes=nbytes, check=check,
-                       tol=tol, peers=peers(eager), tiny=tiny, quick=i == 0)
+                       tol=tol, peers=peers(eager), tiny=tiny, quick=i == 0,
+                       notes=_kernels_note(run) if i == 0 else None)
     layer_peers = {"torch eager": _layer_ref, "torch.compile": _layer_compiled,
                    "cakeops under torch.compile": _layer_compiled_cakeops}
     for i, size in enumerate(SHAPES[:2] + STREAM_SHAPES):
