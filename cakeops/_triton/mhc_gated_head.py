@@ -209,8 +209,9 @@ class GatedHeadConfig:
         G = GatedHeadConfig
         # the one-pass FMA form (default; columns_shape). H200 2026-12-02, n = 4 backward without the prefetch:
         # 4 tokens at 2 per SM 0.639 ms (208 registers), one stage the same; 2 tokens at 3 per SM 0.712; 8 tokens at
-        # 1 per SM 0.776; 512 elements at 3 per SM 2.770 (not understood; not swept again). With it: 4 tokens at 2
-        # per SM 0.613 (241 registers), 2 tokens at 2 per SM 0.697, the default 0.599 (168 registers)
+        # 1 per SM 0.776; 512 elements at 3 per SM 2.770 (128 columns: Triton splits the tokens across warps, so
+        # dfn's token sum goes through shared memory every step; docs/perf.md). With it: 4 tokens at 2 per SM 0.613
+        # (241 registers), 2 tokens at 2 per SM 0.697, the default 0.599 (168 registers)
         yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=False)
         yield G(columns_block_t=4, columns_per_sm=2, columns_prefetch=True)
         yield G(columns_block_t=1, columns_per_sm=5, columns_prefetch=True)  # 96 registers
@@ -574,11 +575,12 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     precision = _precision(X.dtype)
     fused = cfg.dfn == "fused"
     if cfg.dfn == "columns":
+        block_t, _, prefetch = cfg.columns_shape(n)
         fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
-            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=cfg.columns_shape(n)[0], BLOCK_C=plan.dx.block_c,
-            PREFETCH=cfg.columns_shape(n)[2], num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
+            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=plan.dx.block_c, PREFETCH=prefetch,
+            num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](

@@ -283,8 +283,7 @@ def _layer_notes(s):
     torch.autograd.grad(Y, (X, fn, scale, base), s.dY)
     peak = torch.cuda.max_memory_allocated() - before
     stats_bytes = X.shape[0] * layout.stats_width(X.shape[1]) * 4
-    kernels_ms = sum(kernel_times_us(lambda: _layer(s), reps=3).values()) / 1e3
-    return {"GPU kernel time per call": f"{kernels_ms:.3f} ms (a row time above it is the GPU waiting for the host)",
+    return {**_kernels_note(_layer)(s),
             "kept beyond X after forward": f"{kept / 2**20:.1f} MiB (U = branch output {X.nbytes / X.shape[1] / 2**20:.1f} MiB, "
                                           f"stats {stats_bytes / 2**20:.1f} MiB; X is {X.nbytes / 2**20:.1f} MiB)",
             "peak extra during fwd+bwd": f"{peak / 2**20:.1f} MiB"}
@@ -300,7 +299,8 @@ def _kernels_note(run):
     """The row's GPU kernel time per call (profiler): where the row's time is above it, the GPU waited for the host
     (do_bench's L2 flush hides only part of a public function's host path)."""
     def note(s):
-        return {"GPU kernel time per call": f"{sum(kernel_times_us(lambda: run(s), reps=3).values()) / 1e3:.3f} ms"}
+        kernels_ms = sum(kernel_times_us(lambda: run(s), reps=3).values()) / 1e3
+        return {"GPU kernel time per call": f"{kernels_ms:.3f} ms (a row time above it is the GPU waiting for the host)"}
     return note
 
 
