@@ -204,6 +204,16 @@ def test_every_tuner_candidate_computes_the_defaults_results(triton_kernels, gen
         assert_close(name, g, r, grad_tol(torch.float32, name))
 
 
+@pytest.mark.parametrize("n", NS)
+def test_the_dgate_pass_keeps_its_own_tokens_per_program(n):
+    """The dgate pass runs dgate_elems // n tokens per program whatever the dX kernel's tokens per step (the plan
+    once handed it the one-pass kernel's 2 tokens at n = 4)."""
+    G = K.GatedHeadConfig
+    for cfg in (G(), G(dgate_elems=64), G(columns_block_t=8), G(columns_block_t=1), G(dfn="separate", dx_block_t=64)):
+        plan = K._plan(16384, n, 4096, torch.device("cpu"), True, cfg)
+        assert plan.dgate_block_t == cfg.dgate_elems // n, cfg
+
+
 @pytest.mark.parametrize("n", [2, 8])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_separate_dfn_and_per_chunk_dgate_at_other_stream_counts(triton_kernels, gen, n, deterministic):

@@ -510,9 +510,8 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     if cfg.dfn == "columns":
-        block_t, per_sm, _ = cfg.columns_shape(n)
-        dx = _split(device, T, C, block_t, max(16, cfg.columns_elems // n), per_sm,
-                    cfg.columns_splits)
+        step_t, per_sm, _ = cfg.columns_shape(n)
+        dx = _split(device, T, C, step_t, max(16, cfg.columns_elems // n), per_sm, cfg.columns_splits)
     else:
         dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
                     cfg.dx_splits)
