@@ -193,7 +193,7 @@ def test_every_tuner_candidate_computes_the_defaults_results(triton_kernels, gen
     default = K.GatedHeadConfig()
     same_form = cfg.dgate_reduce_per_chunk == default.dgate_reduce_per_chunk and (cfg.dfn == "columns") == (
         default.dfn == "columns")  # the same dX form and dg order
-    # on the H200 the one-pass kernel's dX at 4 or 8 tokens per step and the dgate pass at 256 elements differ from
+    # on the H200 the one-pass kernel's dX at 4 or 8 tokens per step and the dgate pass at other tiles differ from
     # the defaults' in the last bits (other builds, FMAs contracted otherwise): bitwise only for the default's tiles
     same_tiles = not ON_GPU or cfg.dfn != "columns" or (
         cfg.columns_shape(4)[0] == default.columns_shape(4)[0] and cfg.dgate_elems == default.dgate_elems)
