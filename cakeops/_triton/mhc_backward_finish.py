@@ -164,12 +164,10 @@ class FinishConfig:
         for block_c, warps, per_sm, stages in ((64, 4, 3, 2), (64, 4, 4, 3), (64, 4, 5, 3), (32, 4, 6, 2),
                                                (32, 4, 8, 2), (128, 8, 2, 2)):
             yield FinishConfig(block_c=block_c, warps=warps, per_sm=per_sm, stages=stages)
-        # the dpre pass on one column slice at any T (the default until the fourth session of 2026-12-01); on
-        # 256-column chunks (H200, 2026-12-02: 1.042 ms at 32 tokens, 0.879 at 16, against the default's 0.880;
-        # the dpre kernel already reads at 4.36 TB/s, 154 us)
+        # the dpre pass on one column slice at any T (the default until the fourth session of 2026-12-01)
+        # (256-column chunks: 1.042 ms at 32 tokens, 0.879 at 16, against the default's 0.880; the dpre kernel
+        # already reads at 4.36 TB/s, 154 us. H200 2026-12-02, removed)
         yield FinishConfig(dpre_slices=1)
-        yield FinishConfig(dpre_block_c=256)
-        yield FinishConfig(dpre_block_c=256, dpre_block_t=16)
         # kernel A: programs per SM; kernel C (dfn): column width
         yield FinishConfig(dlogits_per_sm=8)
         yield FinishConfig(dfn_block_c=512, dfn_per_sm=1)

@@ -64,7 +64,7 @@ def _rmsnorm_fwd_kernel(
         # (with a residual, h_new is re-read from its store), the second lets it go and keeps w, which every row
         # reads; the squares summed as a vector, reduced across threads once. H200, T=16384 H=8192, 2026-12-02:
         # 4096-element chunks of 16 warps 131.0 us, with a reduction per chunk and no hints 134.9 at best
-        sum_sq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)  # reduced across threads once, after the walk
+        sum_sq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for k in range(NUM_CHUNKS):
             c = cols + k * BLOCK
             mask = row_ok[:, None] & (c < H)
@@ -75,11 +75,8 @@ def _rmsnorm_fwd_kernel(
         for k in range(NUM_CHUNKS):
             c = cols + k * BLOCK
             mask = row_ok[:, None] & (c < H)
-            if HAS_RESIDUAL:
-                h = tl.load(H_OUT + rows * stride_h + c, mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            else:
-                h = tl.load(X + rows * stride_x + c, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            src = H_OUT + rows * stride_h + c if HAS_RESIDUAL else X + rows * stride_x + c
+            h = tl.load(src, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w = tl.load(W + c, mask=c < H, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(Y + rows * stride_y + c, ((h * rstd[:, None]) * w).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row_ids, rstd, mask=row_ok)
