@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .fast_launch import fast
-from .launch import cdiv, persistent_programs, tile_config
+from .launch import cdiv, next_power_of_2, persistent_programs, tile_config
 from .partials import ROUNDS_TO_NEAREST, sum_partials  # noqa: F401 - the ops read ROUNDS_TO_NEAREST here
 
 
@@ -62,8 +62,8 @@ def _rmsnorm_fwd_kernel(
     else:
         # Two passes over the row, as Inductor's looped reduction: the first asks L2 to keep x for the second
         # (with a residual, h_new is re-read from its store), the second lets it go and keeps w, which every row
-        # reads; the squares summed as a vector, reduced across threads once. H200, T=16384 H=8192, 2026-12-02:
-        # 4096-element chunks of 16 warps 131.0 us, with a reduction per chunk and no hints 134.9 at best
+        # reads; the squares summed as a vector, reduced across threads once (H200, T=16384 H=8192, 2026-12-02:
+        # with a reduction per chunk and no hints 134.9 us at best, as now 128.9)
         sum_sq = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for k in range(NUM_CHUNKS):
             c = cols + k * BLOCK
@@ -183,38 +183,52 @@ _fwd_launch = fast(_rmsnorm_fwd_kernel)
 _bwd_launch = fast(_rmsnorm_bwd_kernel)
 
 
+# The forward walks rows wider than this in chunks of it (without a residual). H200, bf16, 2026-12-02, one run:
+# 4096-element chunks of 16 warps against the whole row in registers (us): T=16384 H=8192 128.9 / 133.1,
+# 8192 x 8192 67.7 / 71.0, 32768 x 8192 252.5 / 261.2, 16384 x 12288 192.6 / 210.1, 8192 x 16384 133.0 / 134.4,
+# 16384 x 16384 259.5 / 262.2; Inductor's looped reduction 128.7 / 67.3 / 252.6 / 193.2 / 134.3 / 261.2.
+FORWARD_WHOLE_ROW = 4096
+
+
 @dataclass(frozen=True)
 class RMSNormConfig:
     """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
-    each tensor. Measured on an H200 (bf16, H = 4096 and 8192): forward 16K elements and 128 B per thread
-    without the residual, 8K and 32 B with it (three streams in flight instead of two); backward 4K and 32 B
-    (16 elements per thread) with 16 warps per SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
+    each tensor. Measured on an H200 (bf16, H = 4096 to 16384): forward rows up to 4096 elements whole, 16K
+    elements per program and 128 B per thread; wider rows walked twice in 4096-element chunks of 16 warps
+    (16 B per thread), as Inductor's looped reduction; with the residual, 8K and 32 B (three streams in flight
+    instead of two) and rows up to 16384 whole; backward 4K and 32 B (16 elements per thread) with 16 warps per
+    SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
     tile_elems: Optional[int] = None
     thread_bytes: Optional[int] = None
     warps_per_sm: int = 16  # backward: resident warps per SM of the persistent grid
-    max_tile: int = 16384   # widest row kept whole in registers; wider rows are walked twice in chunks of this
+    max_tile: Optional[int] = None  # widest row kept whole in registers; wider rows are walked twice in chunks
 
     def forward_tile(self, H: int, elem_bytes: int, has_residual: bool):
         """(ROWS, BLOCK, NUM_CHUNKS, num_warps) of the forward."""
-        tile = self.tile_elems or (8192 if has_residual else 16384)
-        thread = self.thread_bytes or (32 if has_residual else 128)
-        return tile_config(H, elem_bytes, tile_elems=tile, thread_bytes=thread, max_tile=self.max_tile)
+        if has_residual:
+            tile, thread, widest = 8192, 32, 16384
+        elif next_power_of_2(H) > FORWARD_WHOLE_ROW:
+            tile, thread, widest = FORWARD_WHOLE_ROW, 16, FORWARD_WHOLE_ROW
+        else:
+            tile, thread, widest = 16384, 128, 16384
+        return tile_config(H, elem_bytes, tile_elems=self.tile_elems or tile, thread_bytes=self.thread_bytes or thread,
+                           max_tile=self.max_tile or widest)
 
     def backward_shape(self, device: torch.device, T: int, H: int, elem_bytes: int):
         """(ROWS, BLOCK, NUM_CHUNKS, num_warps, programs) of the persistent backward."""
         rows, block, chunks, warps = tile_config(H, elem_bytes, tile_elems=self.tile_elems or 4096,
-                                                 thread_bytes=self.thread_bytes or 32, max_tile=self.max_tile)
+                                                 thread_bytes=self.thread_bytes or 32, max_tile=self.max_tile or 16384)
         programs = persistent_programs(device, cdiv(max(T, 1), rows), per_sm=max(1, self.warps_per_sm // warps))
         return rows, block, chunks, warps, programs
 
     @staticmethod
     def candidates():
+        # rows up to 16384 whole in registers (the forward's default for H <= 4096)
         for tile, thread in ((4096, 32), (8192, 32), (8192, 64), (16384, 64), (16384, 128)):
-            yield RMSNormConfig(tile_elems=tile, thread_bytes=thread)
-        # one row per program walked in chunks, as Inductor's looped reduction does; H200, T=16384 H=8192,
-        # 2026-12-02: 4096 / 16 B 131.0 us, 4096 / 32 B 132.8, 2048 / 16 B 136.3 against the default's 134.0
-        # and Inductor's 129.4 (one run, one shape: not yet the default)
-        for chunk, thread in ((2048, 16), (4096, 16), (4096, 32)):
+            yield RMSNormConfig(tile_elems=tile, thread_bytes=thread, max_tile=16384)
+        # one row per program walked in chunks (the forward's default past 4096: 4096 / 16 B); H200, 2026-12-02,
+        # T=16384 H=4096: 2048 / 16 B 67.7 us against the whole row's 70.3 (one run)
+        for chunk, thread in ((2048, 8), (2048, 16), (4096, 8), (4096, 32)):
             yield RMSNormConfig(tile_elems=chunk, thread_bytes=thread, max_tile=chunk)
 
 
