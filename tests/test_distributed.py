@@ -7,15 +7,13 @@ the whole batch and compares losses and every gradient after each step.
 """
 import copy
 import os
-import tempfile
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from cakeops.parallel_demo import wrap
+from cakeops.testing import spawn_ranks
 from cakeops.tiny_lm import TinyLM
 
 WORLD = 2
@@ -97,32 +95,7 @@ def _worker(rank, init_file, scenario, backend):
 
 
 def _spawn(worker, *args):
-    """worker(rank, init_file, *args) on WORLD processes.
-
-    Every worker ends with a barrier after its last check, then destroy_process_group; `_finishing` writes a file
-    when the worker returns. In CI (torch 2.11, gloo) a rank once died of SIGABRT with no Python error ("terminate
-    called without an active exception": a C++ thread object destroyed while running, as at the interpreter's
-    exit). A rank that dies of a signal after its file exists passed the barrier, so every rank had passed every
-    check: the test warns and passes. One that dies before fails the test, saying how far the ranks got.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_finishing, args=(worker, tmp, args), nprocs=WORLD, join=True)
-        except mp.ProcessExitedException as e:
-            finished = [r for r in range(WORLD) if os.path.exists(os.path.join(tmp, f"finished-{r}"))]
-            if e.signal_name is None:
-                raise
-            if e.error_index not in finished:
-                raise AssertionError(f"rank {e.error_index} died of {e.signal_name} before it finished "
-                                     f"(ranks finished: {finished})") from e
-            warnings.warn(f"rank {e.error_index} passed every check, then died of {e.signal_name} on its way out "
-                          f"(torch {torch.__version__})")
-
-
-def _finishing(rank, worker, tmp, args):
-    worker(rank, os.path.join(tmp, "init"), *args)
-    with open(os.path.join(tmp, f"finished-{rank}"), "w"):
-        pass
+    spawn_ranks(worker, WORLD, *args)
 
 
 def _backend():

@@ -593,15 +593,14 @@ def _dtensor_worker(rank, init_file, backend):
 
 def test_sequence_parallel_dtensor_matches_one_device():
     import os
-    import tempfile
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+
+    from cakeops.testing import spawn_ranks
 
     if not dist.is_available():
         pytest.skip("this torch has no torch.distributed")
     backend = os.environ.get("CAKEOPS_DIST_BACKEND", "gloo")
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs 2 GPUs")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dtensor_worker, args=(os.path.join(tmp, "init"), backend), nprocs=2, join=True)
+    spawn_ranks(_dtensor_worker, 2, backend)
