@@ -183,19 +183,22 @@ _fwd_launch = fast(_rmsnorm_fwd_kernel)
 _bwd_launch = fast(_rmsnorm_bwd_kernel)
 
 
-# The forward walks rows wider than this in chunks of it (without a residual). H200, bf16, 2026-12-02, one run:
-# 4096-element chunks of 16 warps against the whole row in registers (us): T=16384 H=8192 128.9 / 133.1,
-# 8192 x 8192 67.7 / 71.0, 32768 x 8192 252.5 / 261.2, 16384 x 12288 192.6 / 210.1, 8192 x 16384 133.0 / 134.4,
-# 16384 x 16384 259.5 / 262.2; Inductor's looped reduction 128.7 / 67.3 / 252.6 / 193.2 / 134.3 / 261.2.
-FORWARD_WHOLE_ROW = 4096
+# The forward (without a residual) keeps rows up to FORWARD_WHOLE_ROW elements whole in registers and walks wider
+# ones in at least two chunks of up to FORWARD_CHUNK, 16 B per thread. H200, bf16, 2026-12-02, chunked against the
+# whole row (us): T=16384 H=8192 128.9 / 133.1, 8192 x 8192 67.7 / 71.0, 32768 x 8192 252.5 / 261.2, 16384 x 12288
+# 192.6 / 210.1, 8192 x 16384 133.0 / 134.4, 16384 x 16384 259.5 / 262.2 (Inductor's looped reduction 128.7 / 67.3 /
+# 252.6 / 193.2 / 134.3 / 261.2); H=4096 in two 2048-element chunks of 8 warps, T=8192 / 16384 / 32768: 37.7 / 67.7
+# / 129.5 against 38.1 / 70.3 / 133.3 (Inductor 41.7 / 76.2 / 145.3; one 4096 chunk of 16 warps 43.5 / 80.3 / 153.7).
+FORWARD_WHOLE_ROW = 2048
+FORWARD_CHUNK = 4096
 
 
 @dataclass(frozen=True)
 class RMSNormConfig:
     """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
-    each tensor. Measured on an H200 (bf16, H = 4096 to 16384): forward rows up to 4096 elements whole, 16K
-    elements per program and 128 B per thread; wider rows walked twice in 4096-element chunks of 16 warps
-    (16 B per thread), as Inductor's looped reduction; with the residual, 8K and 32 B (three streams in flight
+    each tensor. Measured on an H200 (bf16, H = 4096 to 16384): forward rows up to 2048 elements whole, 16K
+    elements per program and 128 B per thread; wider rows walked twice in two or more chunks of up to 4096
+    elements (16 B per thread: 8 warps at H = 4096, 16 past it), as Inductor's looped reduction; with the residual, 8K and 32 B (three streams in flight
     instead of two) and rows up to 16384 whole; backward 4K and 32 B (16 elements per thread) with 16 warps per
     SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
     tile_elems: Optional[int] = None
@@ -208,7 +211,8 @@ class RMSNormConfig:
         if has_residual:
             tile, thread, widest = 8192, 32, 16384
         elif next_power_of_2(H) > FORWARD_WHOLE_ROW:
-            tile, thread, widest = FORWARD_WHOLE_ROW, 16, FORWARD_WHOLE_ROW
+            chunk = min(FORWARD_CHUNK, next_power_of_2(H) // 2)
+            tile, thread, widest = chunk, 16, chunk
         else:
             tile, thread, widest = 16384, 128, 16384
         return tile_config(H, elem_bytes, tile_elems=self.tile_elems or tile, thread_bytes=self.thread_bytes or thread,
@@ -223,12 +227,11 @@ class RMSNormConfig:
 
     @staticmethod
     def candidates():
-        # rows up to 16384 whole in registers (the forward's default for H <= 4096)
+        # rows up to 16384 whole in registers (the forward's default until 2026-12-02)
         for tile, thread in ((4096, 32), (8192, 32), (8192, 64), (16384, 64), (16384, 128)):
             yield RMSNormConfig(tile_elems=tile, thread_bytes=thread, max_tile=16384)
-        # one row per program walked in chunks (the forward's default past 4096: 4096 / 16 B); H200, 2026-12-02,
-        # T=16384 H=4096: 2048 / 16 B 67.7 us against the whole row's 70.3 (one run)
-        for chunk, thread in ((2048, 8), (2048, 16), (4096, 8), (4096, 32)):
+        # one row per program walked in chunks of other shapes (the default: FORWARD_CHUNK above)
+        for chunk, thread in ((2048, 8), (2048, 16), (4096, 8), (4096, 16), (4096, 32)):
             yield RMSNormConfig(tile_elems=chunk, thread_bytes=thread, max_tile=chunk)
 
 
