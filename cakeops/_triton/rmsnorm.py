@@ -184,11 +184,9 @@ _bwd_launch = fast(_rmsnorm_bwd_kernel)
 
 
 # The forward (without a residual) keeps rows up to FORWARD_WHOLE_ROW elements whole in registers and walks wider
-# ones in at least two chunks of up to FORWARD_CHUNK, 16 B per thread. H200, bf16, 2026-12-02, chunked against the
-# whole row (us): T=16384 H=8192 128.9 / 133.1, 8192 x 8192 67.7 / 71.0, 32768 x 8192 252.5 / 261.2, 16384 x 12288
-# 192.6 / 210.1, 8192 x 16384 133.0 / 134.4, 16384 x 16384 259.5 / 262.2 (Inductor's looped reduction 128.7 / 67.3 /
-# 252.6 / 193.2 / 134.3 / 261.2); H=4096 in two 2048-element chunks of 8 warps, T=8192 / 16384 / 32768: 37.7 / 67.7
-# / 129.5 against 38.1 / 70.3 / 133.3 (Inductor 41.7 / 76.2 / 145.3; one 4096 chunk of 16 warps 43.5 / 80.3 / 153.7).
+# ones in at least two chunks of up to FORWARD_CHUNK, 16 B per thread: level with or ahead of Inductor's looped
+# reduction at H = 4096-16384, T = 8192-32768, where whole rows were 1-9 % slower (H200, bf16, 2026-12-02: T=16384
+# H=4096 67.7 us against 70.3, H=8192 128.9 against 133.1; the table is in docs/perf.md, eleventh session).
 FORWARD_WHOLE_ROW = 2048
 FORWARD_CHUNK = 4096
 
@@ -198,9 +196,9 @@ class RMSNormConfig:
     """Row tiles of the RMSNorm kernels (``launch.tile_config``): elements per program and bytes per thread of
     each tensor. Measured on an H200 (bf16, H = 4096 to 16384): forward rows up to 2048 elements whole, 16K
     elements per program and 128 B per thread; wider rows walked twice in two or more chunks of up to 4096
-    elements (16 B per thread: 8 warps at H = 4096, 16 past it), as Inductor's looped reduction; with the residual, 8K and 32 B (three streams in flight
-    instead of two) and rows up to 16384 whole; backward 4K and 32 B (16 elements per thread) with 16 warps per
-    SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
+    elements (16 B per thread: 8 warps at H = 4096, 16 past it), as Inductor's looped reduction; with the
+    residual, 8K and 32 B (three streams in flight instead of two) and rows up to 16384 whole; backward 4K and
+    32 B (16 elements per thread) with 16 warps per SM: 2 programs of 8 warps or 1 of 16. None: these defaults."""
     tile_elems: Optional[int] = None
     thread_bytes: Optional[int] = None
     warps_per_sm: int = 16  # backward: resident warps per SM of the persistent grid
