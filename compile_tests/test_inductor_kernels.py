@@ -384,7 +384,7 @@ _BUILD_SCRIPT = textwrap.dedent('''
         assert [(b.kernel, b.ptx_sha) for b in copied] == [(b.kernel, b.ptx_sha) for b in traced]
         names |= {b.kernel for b in traced}
     assert {"_rmsnorm_fwd_kernel", "_rmsnorm_bwd_kernel", "_gates_kernel", "_head_gates_kernel",
-            "_dlogits_kernel", "_dx_kernel", "_head_dx_columns_kernel"} <= names, names
+            "_dlogits_kernel", "_dx_kernel", "_dx_stream_kernel", "_head_dx_columns_kernel"} <= names, names
     print("builds ok", len(names))
 ''')
 

@@ -250,6 +250,35 @@ def test_finish_config_for_n_keeps_n4_and_given_fields():
     assert FinishConfig().resolve(2).dpre_block_t == STREAM_DEFAULTS[2]["dpre_block_t"]
 
 
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_forms_of_kernel_b_agree(n, dtype):
+    """dX of backward_finish's two kernel B forms (the batched streams-first tile, n = 2 / 4's default, and the
+    GEMM per output stream, n = 8's) against the fp64 math and each other; tiles smaller than T and C, so tails
+    and several token and column blocks are walked, the logits in several MMA steps."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    X, fn, scale, base, _, dY, dU = _inputs(n, T=70, C=40, dtype=dtype)
+    _, stats = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    gs = torch.randn(X.shape[0], mhc_layout.grad_stats_width(n)).to(DEVICE)
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats, gs.double(), *HP_ARGS)
+    dX = {}
+    for by_stream in (False, True):
+        tiles = dict(block_t=64, block_c=16, warps=4, dx_block_k=16, dx_group_t=2) if by_stream else {}
+        config = F.FinishConfig.for_streams(n, dx_by_stream=by_stream, **tiles)
+        M = 2 * n + n * n
+        got = (torch.full_like(X, float("nan")), torch.empty_like(fn), torch.empty(3, device=DEVICE),
+               torch.empty(M, device=DEVICE))
+        F.backward_finish(X, dY, dU, fn, scale, base, stats.float(), gs, *HP_ARGS, *got, config=config)
+        for name, g, w in zip(("dX", "dfn", "dscale", "dbase"), got, want):
+            assert rel_err(g, w) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), (by_stream, name, rel_err(g, w))
+        dX[by_stream] = got[0].float()
+    # one rounding of the same terms in another order: a bf16 ulp (2^-8 of the value) at most, apart from
+    # values that cancel to near zero
+    scale_ = dX[False].abs().amax()
+    assert ((dX[True] - dX[False]).abs() <= 2 ** -7 * dX[False].abs() + 1e-5 * scale_).all()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU launch configs of n = 8 (shared memory, registers): GPU only")
 def test_n8_runs_at_a_real_size():
     X, fn, scale, base, B, dY, dU = _inputs(8, T=512, C=4096, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""mHC backward_finish, kernels B (dX) and C (dfn); the launcher and the reasons for the split are in
+"""mHC backward_finish, kernel B (dX) in two forms and kernel C (dfn); the launcher and the reasons for the split are in
 mhc_backward_finish.py."""
 import triton
 import triton.language as tl
@@ -70,6 +70,49 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
     dx = tl.dot(dz, fn_i, dx, input_precision=PRECISION)
     tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask & (i < N))
     return x
+
+
+@triton.jit
+def _dx_stream_kernel(
+    X, DY, DU, FN, STATS, DZ, DX, T, C,
+    stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
+    N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr,
+):
+    """Kernel B as a GEMM per output stream (``FinishConfig(dx_by_stream=True)``, n = 8's default): a program
+    writes dX[t, i, c] for one stream i over [BLOCK_T, BLOCK_C], the same value as _dx_tile's
+    round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i), with the elementwise terms as the accumulator of
+    dz[:, k:k+BLOCK_K] @ fn[k:k+BLOCK_K, i*C + c] over k < M: n = 8's 80 logits in 5 steps of 16 instead of a dot
+    padded to 128, the tokens as the MMA's rows (wgmma on sm_90), no tile holding every stream. i is the grid's
+    fastest axis, so the n programs of a block re-read dY, dU and dz from L2; GROUP_T token blocks are walked
+    before the next column block, so fn's columns are re-read from L2 too."""
+    M: tl.constexpr = 2 * N + N * N
+    i = tl.program_id(0) % N
+    blk = tl.program_id(0) // N
+    c_blocks = tl.cdiv(C, BLOCK_C)
+    first_t = (blk // (GROUP_T * c_blocks)) * GROUP_T
+    rows = tl.minimum(tl.cdiv(T, BLOCK_T) - first_t, GROUP_T)
+    within = blk % (GROUP_T * c_blocks)
+    t = (first_t + within % rows) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    c = (within // rows) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    t_ok = t < T
+    c_ok = c < C
+    mask = t_ok & c_ok
+    t64 = t.to(tl.int64)
+    s_row = STATS + t64 * stride_st
+    x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
+    du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
+    dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
+    for j in tl.static_range(N):
+        dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
+        dx += tl.load(s_row + COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
+    k = tl.arange(0, BLOCK_K)
+    for k0 in tl.static_range(0, M, BLOCK_K):
+        dz = tl.load(DZ + t64 * M_PAD + k0 + k[None, :], mask=t_ok & (k0 + k < M)[None, :], other=0.0)
+        fn = tl.load(FN + (k0 + k[:, None]) * stride_fn + i * C + c, mask=(k0 + k < M)[:, None] & c_ok, other=0.0)
+        dx = tl.dot(dz, fn, dx, input_precision=PRECISION)
+    tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit

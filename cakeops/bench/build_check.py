@@ -218,8 +218,8 @@ def gated_head_launches(T: int, n: int, C: int, dtype, config=None, deterministi
 MHC_OP_KERNELS = {
     "prepare": ("_split_fn_kernel", "_project_kernel", "_gates_kernel", "_collapse_kernel"),
     "backward_prepare": ("_backward_prepare_kernel",),
-    "backward_finish": ("_dpre_kernel", "_dlogits_kernel", "_params_reduce_kernel", "_dx_kernel", "_dfn_kernel",
-                        "_sum_partials_kernel"),
+    "backward_finish": ("_dpre_kernel", "_dlogits_kernel", "_params_reduce_kernel", "_dx_kernel", "_dx_stream_kernel",
+                        "_dfn_kernel", "_sum_partials_kernel"),
 }
 
 
