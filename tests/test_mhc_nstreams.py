@@ -264,7 +264,7 @@ def test_both_forms_of_kernel_b_agree(n, dtype):
     want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats, gs.double(), *HP_ARGS)
     dX = {}
     for by_stream in (False, True):
-        tiles = dict(block_t=64, block_c=16, warps=4, dx_block_k=16, dx_group_t=2) if by_stream else {}
+        tiles = dict(stream_block_t=64, stream_block_c=16, stream_group_t=2) if by_stream else dict(block_c=16)
         config = F.FinishConfig.for_streams(n, dx_by_stream=by_stream, **tiles)
         M = 2 * n + n * n
         got = (torch.full_like(X, float("nan")), torch.empty_like(fn), torch.empty(3, device=DEVICE),

@@ -121,10 +121,12 @@ class FinishConfig:
     dfn_splits: Optional[int] = None
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
-    dx_by_stream: bool = False   # kernel B as a GEMM per output stream (_dx_stream_kernel; n = 8's default) on
-    #                              block_t x block_c tiles of warps; per_sm, splits, stages, maxnreg unused
-    dx_block_k: int = 16         # _dx_stream_kernel: logits per MMA step
-    dx_group_t: int = 8          # _dx_stream_kernel: token blocks walked before the next column block
+    dx_by_stream: bool = False   # kernel B as a GEMM per output stream (_dx_stream_kernel; n = 8's default)
+    stream_block_t: int = 64     # _dx_stream_kernel: tokens (the MMA's rows; >= 64 for sm_90's wgmma) and
+    stream_block_c: int = 64     # columns of one stream per program, warps
+    stream_warps: int = 4
+    stream_block_k: int = 16     # _dx_stream_kernel: logits per MMA step
+    stream_group_t: int = 8      # _dx_stream_kernel: token blocks walked before the next column block
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -186,9 +188,9 @@ def _wide_candidates(n: int):
     F = functools.partial(FinishConfig.for_streams, n)
     # kernel B: the batched streams-first tile (n = 8's default until 2026-12-03: 3.85 ms at T = 16384, C = 4096,
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
-    yield F(dx_by_stream=False, block_t=16, block_c=32, warps=8, per_sm=1)
+    yield F(dx_by_stream=False)
     for block_t, block_c, warps, group_t in ((64, 32, 4, 8), (64, 128, 8, 8), (128, 32, 8, 8), (64, 64, 4, 1)):
-        yield F(block_t=block_t, block_c=block_c, warps=warps, dx_group_t=group_t)
+        yield F(stream_block_t=block_t, stream_block_c=block_c, stream_warps=warps, stream_group_t=group_t)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
     yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
@@ -209,9 +211,9 @@ def _wide_candidates(n: int):
 # Launch shapes of n = 2 and n = 8 where they differ from n = 4's (FinishConfig.resolve), chosen from sm_90 builds
 # (triton 3.6) to keep n = 4's rows in flight without spills; not yet measured on a GPU. dpre: n * dpre_block_t
 # = 128 stream rows per program (n = 8 at 32 tokens: 1.1 KB of spills; at 16: 251 registers, none). n = 8, kernel
-# B: a GEMM per output stream on 64 x 64 tiles of 4 warps (sm_90: 128 registers bf16, 160 fp32 at 32 columns, no
-# spills; H200, bf16, T = 16384, C = 4096, 2026-12-03: 2.62 ms against the batched tile's 3.85, whose fn columns
-# [8, 128, 32] took 152 KB of shared memory and one program per SM; at n = 4 the per-stream GEMM is 2x slower).
+# B: a GEMM per output stream (dx_by_stream; sm_90 at 64 x 64 tiles of 4 warps: 115 registers bf16, 160 fp32 at
+# 32 columns, no spills; timed in docs/perf.md); the batched form's fn columns [8, 128, BLOCK_C] stay in
+# registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64 columns spill).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
 # backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills).
@@ -220,7 +222,7 @@ def _wide_candidates(n: int):
 # (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
-    8: {"dpre_block_t": 16, "dx_by_stream": True, "block_t": 64, "block_c": 64, "warps": 4,
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True,
         "dfn_block_c": 128, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
@@ -382,9 +384,9 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     assert 1 <= sinkhorn_iters
     cfg = (config or FinishConfig()).resolve(n)
     if config is None and n > 4 and X.element_size() == 4:
-        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes; at 64 columns its three-pass TF32 spills
-        # (sm_90), at 32 it holds 160 registers
-        cfg = replace(cfg, block_c=cfg.block_c // 2)
+        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
+        # memory (sm_90 has 227 KB), 16 fit; per stream: 64 columns of three-pass TF32 spill, 32 hold 160 registers
+        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
     dz, part, scratch, dfn_part, dpre = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic
@@ -406,10 +408,11 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
                dX.stride(0), dX.stride(1))
     if cfg.dx_by_stream:
-        fast(_dx_stream_kernel)[(n * cdiv(T, cfg.block_t) * cdiv(C, plan.dx.block_c),)](
+        block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
+        fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
             X, dY, dU, fn, stats, dz, dX, T, C, *strides,
-            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-            BLOCK_K=cfg.dx_block_k, GROUP_T=cfg.dx_group_t, num_warps=cfg.warps,
+            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
+            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, num_warps=cfg.stream_warps,
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
