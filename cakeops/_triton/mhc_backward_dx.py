@@ -87,32 +87,42 @@ def _dx_stream_kernel(
     fastest axis, so the n programs of a block re-read dY, dU and dz from L2; GROUP_T token blocks are walked
     before the next column block, so fn's columns are re-read from L2 too."""
     M: tl.constexpr = 2 * N + N * N
-    i = tl.program_id(0) % N
-    blk = tl.program_id(0) // N
     c_blocks = tl.cdiv(C, BLOCK_C)
-    first_t = (blk // (GROUP_T * c_blocks)) * GROUP_T
-    rows = tl.minimum(tl.cdiv(T, BLOCK_T) - first_t, GROUP_T)
-    within = blk % (GROUP_T * c_blocks)
-    t = (first_t + within % rows) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
-    c = (within // rows) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    pid = tl.program_id(0)
+    blk = pid // N
+    t_blocks = tl.cdiv(T, BLOCK_T)
+    per_group = GROUP_T * c_blocks
+    g = blk // per_group
+    first_t = g * GROUP_T
+    rows = tl.minimum(t_blocks - first_t, GROUP_T)
+    tb = first_t + (blk % per_group) % rows
+    cb = (blk % per_group) // rows
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     t_ok = t < T
     c_ok = c < C
     mask = t_ok & c_ok
     t64 = t.to(tl.int64)
     s_row = STATS + t64 * stride_st
-    x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
-    du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
-    dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
-    for j in tl.static_range(N):
-        dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
-        dx += tl.load(s_row + COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
-    k = tl.arange(0, BLOCK_K)
-    for k0 in tl.static_range(0, M, BLOCK_K):
-        dz = tl.load(DZ + t64 * M_PAD + k0 + k[None, :], mask=t_ok & (k0 + k < M)[None, :], other=0.0)
-        fn = tl.load(FN + (k0 + k[:, None]) * stride_fn + i * C + c, mask=(k0 + k < M)[:, None] & c_ok, other=0.0)
-        dx = tl.dot(dz, fn, dx, input_precision=PRECISION)
-    tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask)
+    kk = tl.arange(0, BLOCK_K)
+    # One stream per program, as a loop of one iteration: the H200 runs this form 25 % faster than the same body
+    # without the loop (triton 3.6, 64 x 64 tiles: 2.62 against 3.46 ms; the launcher's num_stages=1 keeps the
+    # loop unpipelined, 2 stages took 4.66), the instruction mix being the same.
+    i_first = pid % N
+    for i in range(i_first, i_first + 1):
+        x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
+        du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
+        dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
+        for j in tl.static_range(N):
+            dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
+            dx += tl.load(s_row + COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
+        for k0 in tl.static_range(0, M, BLOCK_K):
+            k = k0 + kk
+            dz = tl.load(DZ + t64 * M_PAD + k[None, :], mask=t_ok & (k < M)[None, :], other=0.0)
+            fn = tl.load(FN + k[:, None] * stride_fn + i * C + c, mask=(k < M)[:, None] & c_ok, other=0.0)
+            dx = tl.dot(dz, fn, dx, input_precision=PRECISION)
+        tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit

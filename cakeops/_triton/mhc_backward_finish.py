@@ -126,7 +126,7 @@ class FinishConfig:
     stream_block_c: int = 64     # columns of one stream per program, warps
     stream_warps: int = 4
     stream_block_k: int = 16     # _dx_stream_kernel: logits per MMA step
-    stream_group_t: int = 8      # _dx_stream_kernel: token blocks walked before the next column block
+    stream_group_t: int = 1      # _dx_stream_kernel: token blocks walked before the next column block
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -189,7 +189,7 @@ def _wide_candidates(n: int):
     # kernel B: the batched streams-first tile (n = 8's default until 2026-12-03: 3.85 ms at T = 16384, C = 4096,
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
     yield F(dx_by_stream=False)
-    for block_t, block_c, warps, group_t in ((64, 32, 4, 8), (64, 128, 8, 8), (128, 32, 8, 8), (64, 64, 4, 1)):
+    for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (128, 32, 8, 1), (64, 64, 8, 1), (64, 64, 4, 8)):
         yield F(stream_block_t=block_t, stream_block_c=block_c, stream_warps=warps, stream_group_t=group_t)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
@@ -412,7 +412,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
             X, dY, dU, fn, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
-            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, num_warps=cfg.stream_warps,
+            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, num_warps=cfg.stream_warps, num_stages=1,
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
