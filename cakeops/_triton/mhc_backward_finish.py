@@ -186,7 +186,7 @@ def _wide_candidates(n: int):
     SM; none spills). Kernel A at other tiles replays the Sinkhorn on a layout the forward's gates kernel does not
     use unless the forward runs on the same tile (mhc_math.SINKHORN_TILE): the tuner computes its stats so."""
     F = functools.partial(FinishConfig.for_streams, n)
-    # kernel B: the batched streams-first tile (n = 8's default until 2026-12-03: 3.85 ms at T = 16384, C = 4096,
+    # kernel B: the batched streams-first tile (n = 8's default until 2026-12-02: 3.85 ms at T = 16384, C = 4096,
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
     yield F(dx_by_stream=False)
     for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (128, 32, 8, 1), (64, 64, 8, 1), (64, 64, 4, 8)):
