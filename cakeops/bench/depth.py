@@ -18,13 +18,14 @@ FP32. The compile tests run the same code on CPU (``compile_tests/test_deep_mode
 import argparse
 import copy
 import json
-import math
 import sys
 import time
+from statistics import geometric_mean
 
 import torch
 
 from ..nn import MHC
+from ..testing import rel_err
 from ..tiny_lm import TinyLM
 
 
@@ -58,8 +59,7 @@ def _step(loss_fn, model, tokens, opt):
 
 
 def _rel_errors(names, grads, truth) -> dict:
-    return {name: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-            for name, a, b in zip(names, grads, truth)}
+    return {name: rel_err(a, b) for name, a, b in zip(names, grads, truth)}
 
 
 def _against_float32(names, eager_grads, compiled_grads, truth_grads) -> dict:
@@ -70,7 +70,7 @@ def _against_float32(names, eager_grads, compiled_grads, truth_grads) -> dict:
     return {"eager": eager, "compiled": compiled,
             "eager_max": max(eager.values()), "compiled_max": max(compiled.values()),
             "compiled_closer": sum(compiled[k] <= eager[k] for k in names),
-            "ratio_geomean": math.exp(sum(math.log(max(r, 1e-30)) for r in ratios) / len(ratios)),
+            "ratio_geomean": geometric_mean(max(r, 1e-30) for r in ratios),
             "ratio_max": max(ratios), "ratio_max_param": names[max(range(len(ratios)), key=ratios.__getitem__)]}
 
 
