@@ -279,6 +279,28 @@ def test_both_forms_of_kernel_b_agree(n, dtype):
     assert ((dX[True] - dX[False]).abs() <= 2 ** -7 * dX[False].abs() + 1e-5 * scale_).all()
 
 
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_forms_of_the_projection_agree(n, dtype):
+    """forward_prepare's projection with all n streams in a loop step (n = 2 / 4's default) and one stream per step
+    (n = 8's) against the fp64 math and each other: column slices whose last one is partial (C = 40, 16-column
+    chunks in 3 slices), two token blocks with a tail."""
+    from cakeops._triton import mhc_prepare as P
+
+    X, fn, scale, base, *_ = _inputs(n, T=21, C=40, dtype=dtype)
+    want_U, want = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    got = {}
+    for stream_steps in (False, True):
+        config = P.PrepareConfig(block_t=16, block_c=16, num_warps=4, slices=3, stream_steps=stream_steps)
+        stats = torch.full((X.shape[0], mhc_layout.stats_width(n)), float("nan"), device=DEVICE)
+        U = torch.full_like(X[:, 0], float("nan"))
+        P.prepare(X, fn, scale, base, *HP_ARGS, stats, U, config=config)
+        assert rel_err(stats, want) <= 1e-3 and rel_err(U, want_U) <= (4e-3 if dtype == torch.bfloat16 else 1e-5)
+        got[stream_steps] = stats
+    # the same products summed in another order: FP32 rounding apart
+    assert rel_err(got[True], got[False]) <= 1e-5
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU launch configs of n = 8 (shared memory, registers): GPU only")
 def test_n8_runs_at_a_real_size():
     X, fn, scale, base, B, dY, dU = _inputs(8, T=512, C=4096, dtype=torch.bfloat16)
@@ -322,7 +344,11 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
         monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
         monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
         resolved = [cfg.resolve_for(16384, 4096, torch.device("cuda"), True, n=8) for cfg in wide]
-        assert all(r.block_c == 16 and r.slices >= 1 for r in resolved)  # 16 columns: n = 8's fn tiles
+        assert all(r.slices >= 1 for r in resolved)
+        # all 8 streams per loop step fit 16 columns of n = 8's fn tiles; one stream per step 32 or 64
+        assert all(r.block_c == (16 if not r.stream_steps else r.block_c) and r.block_c in (16, 32, 64)
+                   for r in resolved)
+        assert any(r.stream_steps for r in resolved) and any(not r.stream_steps for r in resolved)
     else:
         assert all(cfg.resolve(4096, 2)[0] in (128 * cfg.num_warps, 256 * cfg.num_warps) for cfg in wide)
 

@@ -39,15 +39,40 @@ from .mhc_streams import StreamConfig, collapse
 
 
 @triton.jit
+def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc, sum_sq,
+                   M: tl.constexpr, M_PAD: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                   PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
+    """One stream's columns c of a token block added to (acc, sum_sq); fn rows past M are masked to zero."""
+    offs_m = tl.arange(0, M_PAD)
+    x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+    w_mask = (offs_m < M)[None, :] & c_ok[:, None]
+    w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
+    xf = x.to(tl.float32)
+    sum_sq += xf * xf
+    if SPLIT_BF16:
+        if PRESPLIT:
+            w_hi = w
+            w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
+        else:
+            w_hi, w_lo = bf16_pieces(w)
+        acc = dot_bf16(x, w_hi, acc, INTERPRET)
+        acc = dot_bf16(x, w_lo, acc, INTERPRET)
+    else:
+        acc = tl.dot(xf, w, acc, input_precision=PRECISION)
+    return acc, sum_sq
+
+
+@triton.jit
 def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
              N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
              BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
+             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, STREAM_STEPS: tl.constexpr = False):
     """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD] and the sum of x^2
     [BLOCK_T] over those columns), FP32.
 
-    Walks the columns in BLOCK_C chunks, the n streams of a chunk together (no div/mod to unflatten K).
-    fn rows past M are masked to zero.
+    Walks the columns in BLOCK_C chunks, the n streams of a chunk together in one loop step (no div/mod to
+    unflatten K); STREAM_STEPS: one stream's chunk per step instead (the loop runs n times as many steps, each
+    1/n of the shared memory), so that n = 8's 128 logit columns fit chunks of 64 columns rather than 16.
     Tensor cores for the projection (design.md §3 allows it): bf16 x is exact in a bf16 MMA and fn is split
     into bf16 hi + lo (~16 mantissa bits; on an H200 both faster and ~10x more accurate than TF32);
     other dtypes take fp32 x with TF32. The interpreter's bf16 dot is broken, so there the same pieces
@@ -55,30 +80,21 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
     so the tiles go to the tensor cores as loaded instead of through registers for the split.
     """
     offs_c = tl.arange(0, BLOCK_C)
-    offs_m = tl.arange(0, M_PAD)
     acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for c0 in range(c_lo, c_hi, BLOCK_C):
-        c = c0 + offs_c
-        c_ok = c < c_hi
-        for i in tl.static_range(N):
-            x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :],
-                        mask=t_ok[:, None] & c_ok[None, :], other=0.0)
-            w_mask = (offs_m < M)[None, :] & c_ok[:, None]
-            w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
-            xf = x.to(tl.float32)
-            sum_sq += xf * xf
-            if SPLIT_BF16:
-                if PRESPLIT:
-                    w_hi = w
-                    w_lo = tl.load(FN + (M + offs_m[None, :]) * stride_fn + (i * C + c)[:, None], mask=w_mask,
-                                   other=0.0)
-                else:
-                    w_hi, w_lo = bf16_pieces(w)
-                acc = dot_bf16(x, w_hi, acc, INTERPRET)
-                acc = dot_bf16(x, w_lo, acc, INTERPRET)
-            else:
-                acc = tl.dot(xf, w, acc, input_precision=PRECISION)
+    if STREAM_STEPS:
+        chunks = tl.cdiv(c_hi - c_lo, BLOCK_C)
+        for step in range(0, N * chunks):
+            i = step // chunks
+            c = c_lo + (step - i * chunks) * BLOCK_C + offs_c
+            acc, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc, sum_sq,
+                                         M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+    else:
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            c = c0 + offs_c
+            for i in tl.static_range(N):
+                acc, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc,
+                                             sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
     return acc, tl.sum(sum_sq, axis=1)
 
 
@@ -98,6 +114,7 @@ def _project_kernel(
     X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
+    STREAM_STEPS: tl.constexpr = False,
 ):
     """Program (token block, column slice): the slice's projection and sum of squares into PART [slices, T,
     M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
@@ -106,7 +123,8 @@ def _project_kernel(
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
     acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
-                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT,
+                           STREAM_STEPS)
     offs_m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc), mask=t_ok[:, None])
@@ -194,6 +212,7 @@ class PrepareConfig:
     gates_warps: int = SINKHORN_TILE[1]
     collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
     presplit: bool = True
+    stream_steps: Optional[bool] = None  # projection: one stream's chunk per loop step (_project); None: n > 4
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
@@ -203,11 +222,13 @@ class PrepareConfig:
     def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None,
                     n: int = 4, dtype: torch.dtype = torch.bfloat16) -> "PrepareConfig":
         """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
-        # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider, so 16 columns per chunk and
-        # 64-token blocks with 3 stages: n = 4's shared memory (224 KB) and 128 registers (sm_90, triton 3.6;
-        # 128 x 64 tiles need 1 MB).
+        # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider: a loop step of all 8 streams
+        # fits 16 columns per chunk (n = 4's 64 would need 1 MB of shared memory), one stream per step 64.
         wide = n > 4
-        block_c = max(16, min(16 if wide else 64, next_power_of_2(C)))
+        stream_steps = wide if self.stream_steps is None else self.stream_steps
+        # (fp32 X at 64 columns: 255 registers and spills on sm_90, so 32)
+        widest = 64 if not (wide and stream_steps and dtype == torch.float32) else 32
+        block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
         if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
@@ -223,6 +244,7 @@ class PrepareConfig:
             deep = dtype == torch.bfloat16 and (block_t >= 128 or wide) and _large_shared_memory(device)
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
                           num_stages=3 if deep else 2, slices=slices)
+        chosen["stream_steps"] = stream_steps
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod
@@ -236,32 +258,42 @@ class PrepareConfig:
         for block_t, warps, stages, block_c, slices in ((128, 8, 3, 64, 1), (128, 8, 3, 64, 2), (64, 4, 3, 64, 1),
                                                         (64, 4, 2, 64, 2), (64, 8, 3, 64, 1), (128, 8, 4, 32, 1)):
             yield PrepareConfig(block_t=block_t, num_warps=warps, num_stages=stages, block_c=block_c, slices=slices)
+        # one stream per loop step (n = 8's form), H200 2026-12-02: 0.316 ms against the default's 0.323 (equal
+        # within noise; n = 4 keeps its form), 64 columns 0.330-0.356
+        yield PrepareConfig(block_t=128, num_warps=8, num_stages=3, block_c=128, stream_steps=True)
 
 
 def _wide_candidates():
     """n = 8's projection shapes (triton 3.6 sm_90 builds at T = 16384, C = 4096; none spills). fn's bf16 hi / lo
     tiles are 80 (M_PAD 128) rows wide, so every token block re-reads 2.5x its own X bytes of fn from L2 at 64
-    tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers
-    (106 KB of shared memory at 128 x 16: 2 programs / SM), column slices give the SMs programs to share."""
+    tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers,
+    column slices give the SMs programs to share. stream_steps: one stream's 32 / 64 columns per loop step (48 KB
+    of shared memory a stage at 128 x 64, bf16)."""
+    # T = 8192 / 16384 on an H200 (2026-12-02), ms; the layer default 128 x 64 / 8 warps / 3 stages 0.450 / 0.855
+    for block_t, warps, stages, block_c in ((128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
+                                            (64, 4, 3, 64),     # 0.519 / 0.820, 115 KB, 2 / SM
+                                            (128, 4, 3, 64),    # 0.490 / 0.934
+                                            (256, 8, 2, 64),    # 0.537 / 0.976, 255 registers
+                                            (128, 8, 3, 32),    # 0.555 / 1.055
+                                            (128, 8, 2, 64)):   # 0.644 / 1.377
+        yield PrepareConfig(block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages, stream_steps=True)
+    # all 8 streams per loop step (the default until 2026-12-02: 128 x 16, 8 warps, 2 stages, 2 slices: 0.661 at
+    # T = 8192; the others 0.717-1.480)
     for block_t, warps, stages, slices, presplit in (
-            (64, 4, 3, 1, True), (128, 8, 2, 2, True),       # the default until 2026-12-01; 160 KB, 1 / SM
-            (128, 8, 2, 1, False), (128, 8, 2, 2, False),    # 104 KB, 128 registers, 2 / SM
-            (128, 8, 3, 2, False),                           # 200 KB, 1 / SM
-            (256, 16, 2, 2, False),                          # 136 KB, 128 registers, 1 / SM
-            (64, 4, 2, 1, True), (64, 4, 3, 1, False),       # the default's tile, other pipelines
-            (32, 4, 3, 1, True)):                            # 144 KB, 122 registers, 512 blocks
+            (128, 8, 2, 2, True), (128, 8, 3, 2, False),     # 160 KB, 1 / SM; 200 KB, 1 / SM
+            (128, 8, 2, 2, False), (64, 4, 3, 1, True)):     # 104 KB, 128 registers, 2 / SM; 229 KB
         yield PrepareConfig(block_t=block_t, block_c=16, num_warps=warps, num_stages=stages, slices=slices,
-                            presplit=presplit)
+                            presplit=presplit, stream_steps=False)
     # (the 80 logits as 64 + 16, not padded to 128: 1.705 / 2.604 ms against 1.256, H200 2026-12-01, removed)
 
 
 # The layer's projection at n = 8 where it differs from resolve's rules (which the gated head's projection, with
-# n logits instead of 2n + n^2, keeps): 128-token blocks of 8 warps and 2 stages. H200, bf16, T = 16384, C = 4096
-# (python -m cakeops.bench.tune --n 8, 2026-12-01): forward_prepare 1.515 -> 1.258 ms (the projection 1182 ->
-# ~900 us: each block re-reads fn's 80 x n*C hi / lo tiles from L2, so taller blocks re-read less). Until the
-# fourth session of that day resolve_for sized the column slices for 64-token blocks, so at T <= 8192 these ran
-# on 64 programs (half an H200): the T = 8192 row's 571 GB/s against 982 at T = 16384.
-LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8, num_stages=2)}
+# n logits instead of 2n + n^2, keeps): 128-token blocks of 8 warps, one stream's 64 columns per loop step
+# (stream_steps, resolve's choice at n > 4), 3 stages. H200, bf16, C = 4096 (python -m cakeops.bench.tune --ops
+# prepare --n 8, 2026-12-02): forward_prepare at T = 8192 0.642 -> 0.450 ms (the projection 456 -> 263 us; all 8
+# streams per step at 16 columns before), at T = 16384 1.310 -> 0.855 (64-token blocks of 4 warps 0.820, 3 %
+# apart; the 128-token blocks win by 13 % at T = 8192, the equal-bytes row). 2 stages: 0.644 / 1.377.
+LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8)}  # the stages: resolve's (3 for bf16 on sm_90)
 
 
 def layer_config(config: Optional[PrepareConfig], n: int, cuda: bool) -> PrepareConfig:
@@ -346,7 +378,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     fast(_project_kernel)[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(), PRESPLIT=presplit,
+        INTERPRET=interpreting(), PRESPLIT=presplit, STREAM_STEPS=cfg.stream_steps,
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),

@@ -1,4 +1,4 @@
-"""``python -m cakeops.bench.profile [--T 16384] [--C 4096] [--steps 5] [--out DIR]``: where one mHC layer's
+"""``python -m cakeops.bench.profile [--T 16384] [--C 4096] [--n 4] [--steps 5] [--out DIR]``: where one mHC layer's
 forward + backward (identity branch, bf16, sinkhorn_iters=20) spends its time.
 
 Prints every kernel (or, without a GPU, every CPU op) with its time per step from torch.profiler, their sum, and
@@ -30,13 +30,14 @@ def _layer_step(X, fn, scale, base, dY):
     return torch.autograd.grad(_layer_forward(X, fn, scale, base), (X, fn, scale, base), dY)
 
 
-def _inputs(T: int, C: int, device: torch.device):
+def _inputs(T: int, C: int, device: torch.device, n: int = 4):
     g = torch.Generator(device=device).manual_seed(0)
-    X = torch.randn(T, 4, C, device=device, generator=g).bfloat16().requires_grad_()
-    fn = (torch.randn(24, 4 * C, device=device, generator=g) / (4 * C) ** 0.5).requires_grad_()
+    M = 2 * n + n * n
+    X = torch.randn(T, n, C, device=device, generator=g).bfloat16().requires_grad_()
+    fn = (torch.randn(M, n * C, device=device, generator=g) / (n * C) ** 0.5).requires_grad_()
     scale = torch.tensor([1.0, 1.0, 3.0], device=device, requires_grad=True)
-    base = torch.randn(24, device=device, generator=g).requires_grad_()
-    dY = torch.randn(T, 4, C, device=device, generator=g).bfloat16()
+    base = torch.randn(M, device=device, generator=g).requires_grad_()
+    dY = torch.randn(T, n, C, device=device, generator=g).bfloat16()
     return X, fn, scale, base, dY
 
 
@@ -50,11 +51,11 @@ def _self_time_us(event, on_gpu: bool) -> float:
     return float(event.self_cpu_time_total)
 
 
-def profile_layer(T: int, C: int, steps: int, device: torch.device) -> Dict:
+def profile_layer(T: int, C: int, steps: int, device: torch.device, n: int = 4) -> Dict:
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
-    args = _inputs(T, C, device)
+    args = _inputs(T, C, device, n)
     for _ in range(3):  # compile / autotune / allocator warm-up
         _layer_step(*args)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -79,7 +80,7 @@ def profile_layer(T: int, C: int, steps: int, device: torch.device) -> Dict:
         rows.append({"name": e.key, "calls_per_step": e.count / steps, "us_per_step": us / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
     listed = sum(r["us_per_step"] for r in rows)
-    return {"T": T, "C": C, "device": str(device), "steps": steps, "wall_us_per_step": wall_us,
+    return {"T": T, "C": C, "n": n, "device": str(device), "steps": steps, "wall_us_per_step": wall_us,
             "listed_us_per_step": listed, "rows": rows, "trace": prof}
 
 
@@ -96,9 +97,9 @@ def kernel_times_us(call, reps: int = 5) -> Dict[str, float]:
     return {name: us for name, us in sorted(times.items(), key=lambda kv: -kv[1]) if us > 0}
 
 
-def ncu_step(T: int, C: int, device: torch.device) -> None:
+def ncu_step(T: int, C: int, device: torch.device, n: int = 4) -> None:
     """One layer step inside the CUDA profiler range (ncu --profile-from-start off), after a warm-up outside it."""
-    args = _inputs(T, C, device)
+    args = _inputs(T, C, device, n)
     for _ in range(2):  # compile / allocator warm-up, outside the range
         _layer_step(*args)
     torch.cuda.synchronize()
@@ -110,7 +111,7 @@ def ncu_step(T: int, C: int, device: torch.device) -> None:
 
 def _print(result: Dict, top: int = 25) -> None:
     what = "kernels (GPU time)" if result["device"].startswith("cuda") else "CPU ops (self CPU time)"
-    print(f"mHC layer fwd+bwd, identity branch, T={result['T']} C={result['C']} bf16, {result['device']}: {what}")
+    print(f"mHC layer fwd+bwd, identity branch, n={result.get('n', 4)} T={result['T']} C={result['C']} bf16, {result['device']}: {what}")
     print(f"{'us/step':>10} {'calls':>6}  name")
     for r in result["rows"][:top]:
         print(f"{r['us_per_step']:10.1f} {r['calls_per_step']:6.1f}  {r['name'][:100]}")
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, default=None, help="tokens (default 16384 on a GPU, 16 on a CPU)")
     p.add_argument("--C", type=int, default=None, help="hidden size (default 4096 on a GPU, 64 on a CPU)")
+    p.add_argument("--n", type=int, default=4, help="streams: 2, 4 or 8 (default 4)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--replot", type=Path, default=None, metavar="JSON", help="draw OUT/layer_profile.png from JSON")
@@ -148,13 +150,15 @@ def main(argv=None) -> int:
     C = args.C if args.C is not None else (4096 if big else 64)
     if T < 1 or C < 1:
         p.error("--T and --C must be >= 1")
+    if args.n not in (2, 4, 8):
+        p.error(f"--n must be 2, 4 or 8, got {args.n}")
     if args.ncu_step:
         if not big:
             p.error("--ncu-step needs a GPU")
-        ncu_step(T, C, device)
-        print(f"ran one layer step (T={T}, C={C}) inside the CUDA profiler range")
+        ncu_step(T, C, device, args.n)
+        print(f"ran one layer step (n={args.n}, T={T}, C={C}) inside the CUDA profiler range")
         return 0
-    result = profile_layer(T, C, args.steps, device)
+    result = profile_layer(T, C, args.steps, device, args.n)
     _print(result)
     args.out.mkdir(parents=True, exist_ok=True)
     result.pop("trace").export_chrome_trace(str(args.out / "layer_trace.json"))
