@@ -75,14 +75,15 @@ assert layout.MAX_N < M_PAD and layout.GATE == mhc_layout.PRE  # collapse and _d
 def _head_project_kernel(X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
                          N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                          SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                         PRESPLIT: tl.constexpr):
+                         PRESPLIT: tl.constexpr, STREAM_STEPS: tl.constexpr = False):
     """Program (token block, column slice): fn @ x over the slice into PART [slices, T, M_PAD], the sum of
     x^2 in column N (fn rows >= N are masked to zero by _project)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
     acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
-                           stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+                           stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT,
+                           STREAM_STEPS)
     m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     tl.store(row[:, None] + m[None, :], tl.where(m[None, :] == N, sum_sq[:, None], acc), mask=t_ok[:, None])
@@ -244,11 +245,14 @@ class GatedHeadConfig:
 
 
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
-    """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given."""
+    """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given; all n streams
+    in a loop step unless ``stream_steps`` is given (the layer's n = 8 form: the head's n logits make small tiles)."""
     T, n, C = X.shape
     proj = cfg.projection
     if proj.block_c is None:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
+    if proj.stream_steps is None:
+        proj = replace(proj, stream_steps=False)
     return proj.resolve(X)
 
 
@@ -277,7 +281,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=M_PAD, BLOCK_T=proj.block_t, BLOCK_C=proj.block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        num_warps=proj.num_warps, **_stages(proj.num_stages),
+        STREAM_STEPS=proj.stream_steps, num_warps=proj.num_warps, **_stages(proj.num_stages),
     )
     fast(_head_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps),
