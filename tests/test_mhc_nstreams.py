@@ -301,6 +301,30 @@ def test_both_forms_of_the_projection_agree(n, dtype):
     assert rel_err(got[True], got[False]) <= 1e-5
 
 
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_both_forms_of_backward_prepare_agree(n, dtype):
+    """backward_prepare's dcomb gathered on rolled diagonals (n = 2 / 4's default) and from X row by row with
+    the chunk loop pipelined (n = 8's) against the fp64 math and each other: three chunks, the last partial."""
+    from cakeops._triton import mhc_backward_prepare as P
+
+    T, C = 9, 40
+    X, fn, scale, base, B, dY, _ = _inputs(n, T=T, C=C, dtype=dtype)
+    stats = torch.randn(T, mhc_layout.stats_width(n), device=DEVICE)
+    want_dB, want_gs = ref.backward_prepare(*_f64(dY, B, X, stats))
+    got = {}
+    for x_rows, stages in ((False, None), (True, 3)):
+        dB = torch.full_like(B, float("nan"))
+        gs = torch.full((T, mhc_layout.grad_stats_width(n)), float("nan"), device=DEVICE)
+        P.backward_prepare(dY, B, X, stats, dB, gs,
+                           config=P.BackwardPrepareConfig(block_c=16, num_warps=1, x_rows=x_rows, stages=stages))
+        assert rel_err(dB, want_dB) <= (4e-3 if dtype == torch.bfloat16 else 1e-6) and rel_err(gs, want_gs) <= 1e-6
+        got[x_rows] = dB, gs
+    # dB: the same expression, one rounding; dcomb: the same products summed in another order
+    assert rel_err(got[True][0], got[False][0]) <= (4e-3 if dtype == torch.bfloat16 else 1e-6)
+    assert rel_err(got[True][1], got[False][1]) <= 1e-6
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU launch configs of n = 8 (shared memory, registers): GPU only")
 def test_n8_runs_at_a_real_size():
     X, fn, scale, base, B, dY, dU = _inputs(8, T=512, C=4096, dtype=torch.bfloat16)
@@ -350,7 +374,9 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
                    for r in resolved)
         assert any(r.stream_steps for r in resolved) and any(not r.stream_steps for r in resolved)
     else:
-        assert all(cfg.resolve(4096, 2)[0] in (128 * cfg.num_warps, 256 * cfg.num_warps) for cfg in wide)
+        launches = [cfg.resolve(4096, 2, 8) for cfg in wide]
+        assert all(la.block_c in (128 * la.num_warps, 256 * la.num_warps) for la in launches)
+        assert any(la.x_rows for la in launches) and any(not la.x_rows for la in launches)
 
 
 def test_kernel_a_at_n8_keeps_its_programs_resident():

@@ -201,9 +201,9 @@ def _wide_candidates(n: int):
     yield F(dpre_block_c=64)
     # (kernel B on bf16 hi / lo pieces of dz and fn, three bf16 MMAs: 5.85 ms against 5.01, H200 2026-12-01; gone)
     # kernel C: the default until 2026-12-01 (TF32 on x converted to FP32, 64 columns, 4 warps, 2 stages), and
-    # TF32 at today's tile
+    # the split MMAs at the tile of 2026-12-01 .. 12-03 (TF32 at that tile was a candidate until 2026-12-03)
     yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
-    yield F(dfn_split_bf16=False)
+    yield F(dfn_block_c=128, dfn_per_sm=2)
     # (kernel C folded into B, one 2-D dot per token block: 7.403 ms against 4.996, H200 2026-12-01, removed)
     # (B's and C's 80 logits as 64 + 16, not padded to 128: 5.318 ms against 4.998, H200 2026-12-01, removed)
 
@@ -217,14 +217,16 @@ def _wide_candidates(n: int):
 # columns spill).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
-# backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills).
+# backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills). Then 256
+# columns at one program per SM (bf16, T = 8192: 329 -> 257 us, H200 2026-12-03; sm_90: 219 registers, 160 KB
+# shared; fp16 and fp32 keep 128 columns, see finish()).
 # n = 8, kernel A: 240 registers allow 8 programs of one warp per SM, and the scratch budget holds them all
 # (8 x 132 slots of 78 KB at iters = 20: 84 MB): 64 MB held it to 840 programs, 6.4 per SM, so at T = 16384
 # (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True,
-        "dfn_block_c": 128, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
+        "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
 
@@ -388,6 +390,10 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
         # memory (sm_90 has 227 KB), 16 fit; per stream: 64 columns of three-pass TF32 spill, 32 hold 160 registers
         cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2)
+    if config is None and n > 4 and X.dtype != torch.bfloat16:
+        # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
+        # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
+        cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
     dz, part, scratch, dfn_part, dpre = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic

@@ -7,7 +7,7 @@ at the end, so the chunk loop is pure loads and FMAs. No cross-token reduction: 
 """
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -23,7 +23,7 @@ from .mhc_columns import POST, DPOST, DCOMB, GRAD_STATS_USED, GRAD_STATS_WIDTH
 def _backward_prepare_kernel(
     DY, B, X, STATS, DB, GS, C,
     stride_dyt, stride_dyi, stride_bt, stride_xt, stride_xi, stride_st, stride_dbt, stride_gt,
-    N: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr,
+    N: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr, X_ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Tiles are [BLOCK_C, N]: C, the contiguous axis, first. The compiler then spreads columns over threads
     # and keeps a column's N streams inside one thread, so every per-chunk reduction over streams (dB) is
@@ -32,6 +32,10 @@ def _backward_prepare_kernel(
     # dcomb[i, j] = sum_c X_i * dY_j is gathered on the diagonals of a "rolled" dY: accumulator s holds
     # X_i * dY_{(i+s) mod N}; the rolled tiles re-read dY lines already in L1. The N accumulators are a tuple
     # unrolled at compile time (N separate [BLOCK_C // VEC, N] tiles, as if written out one by one).
+    # X_ROWS (n = 8): X read stream by stream instead, accumulator s holding X_s * dY (row s of dcomb): no
+    # re-loads of dY and no N-wide X tile, about half the instructions per chunk; with the chunk loop pipelined
+    # (STAGES, cp.async) it runs at copy speed where the rolled form is instruction bound (H200, bf16, n = 8,
+    # T = 8192, C = 4096, 2026-12-02: 457 -> 301 us; sm_90: 166 registers against 232).
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, N)
     offs_c = tl.arange(0, BLOCK_C)
@@ -42,25 +46,36 @@ def _backward_prepare_kernel(
     acc = ()
     for shift in tl.static_range(N):
         acc = acc + (tl.zeros([BLOCK_C // VEC, N], dtype=tl.float32),)
-    for c0 in range(0, C, BLOCK_C):
+    for c0 in tl.range(0, C, BLOCK_C, num_stages=STAGES):
         c = (c0 + offs_c)[:, None]
         m = c < C
         dy = tl.load(dy_base + i[None, :] * stride_dyi + c, mask=m, other=0.0).to(tl.float32)
-        x = tl.load(x_cols + c, mask=m, other=0.0).to(tl.float32)
+        if not X_ROWS:
+            x = tl.load(x_cols + c, mask=m, other=0.0).to(tl.float32)
         b = tl.load(B + t * stride_bt + c, mask=m, other=0.0).to(tl.float32)
         tl.store(DB + t * stride_dbt + (c0 + offs_c), tl.sum(dy * post[None, :], axis=1).to(DB.dtype.element_ty),
                  mask=(c0 + offs_c) < C)
         acc_post += _fold(dy * b, BLOCK_C, VEC, N)
-        rolled = (acc[0] + _fold(x * dy, BLOCK_C, VEC, N),)
-        for shift in tl.static_range(1, N):
-            rolled = rolled + (acc[shift] + _fold(x * _rolled(dy_base, i, shift, stride_dyi, c, m, N), BLOCK_C, VEC,
-                                                  N),)
-        acc = rolled
+        if X_ROWS:
+            products = ()
+            for s in tl.static_range(N):
+                x_s = tl.load(X + t * stride_xt + s * stride_xi + c, mask=m, other=0.0).to(tl.float32)
+                products = products + (acc[s] + _fold(x_s * dy, BLOCK_C, VEC, N),)
+        else:
+            products = (acc[0] + _fold(x * dy, BLOCK_C, VEC, N),)
+            for shift in tl.static_range(1, N):
+                products = products + (acc[shift] + _fold(x * _rolled(dy_base, i, shift, stride_dyi, c, m, N),
+                                                          BLOCK_C, VEC, N),)
+        acc = products
     g_row = GS + t * stride_gt
     tl.store(g_row + DPOST(N) + i, tl.sum(acc_post, axis=0))
-    tl.store(g_row + DCOMB(N) + i * N + i, tl.sum(acc[0], axis=0))
-    for shift in tl.static_range(1, N):
-        tl.store(g_row + DCOMB(N) + i * N + (i + shift) % N, tl.sum(acc[shift], axis=0))
+    if X_ROWS:  # accumulator s: row s of dcomb
+        for s in tl.static_range(N):
+            tl.store(g_row + DCOMB(N) + s * N + i, tl.sum(acc[s], axis=0))
+    else:       # accumulator s: the diagonal (i, i + s mod N)
+        tl.store(g_row + DCOMB(N) + i * N + i, tl.sum(acc[0], axis=0))
+        for shift in tl.static_range(1, N):
+            tl.store(g_row + DCOMB(N) + i * N + (i + shift) % N, tl.sum(acc[shift], axis=0))
     w = tl.arange(0, GRAD_STATS_WIDTH(N))
     tl.store(g_row + w, tl.zeros([GRAD_STATS_WIDTH(N)], dtype=tl.float32), mask=w >= GRAD_STATS_USED(N))
 
@@ -82,29 +97,53 @@ def _rolled(dy_base, i, shift: tl.constexpr, stride_dyi, c, m, N: tl.constexpr):
 class BackwardPrepareConfig:
     """Launch shape of backward_prepare (one program per token). Default: 256 columns per warp (each thread one
     16-byte vector of every stream), 4 warps from C = 1024 on, else 1; for sm_90 that compiles to 128
-    registers, 128-bit loads and no barrier inside the column loop. None: chosen by ``resolve``."""
+    registers, 128-bit loads and no barrier inside the column loop. None: chosen by ``resolve``.
+    ``x_rows``: dcomb from X stream by stream (the kernel's comment); ``stages``: the chunk loop's pipeline depth
+    (None: not pipelined)."""
     block_c: Optional[int] = None
     num_warps: Optional[int] = None
+    x_rows: Optional[bool] = None
+    stages: Optional[int] = None
 
-    def resolve(self, C: int, elem_bytes: int, n: int = 4):
-        """(BLOCK_C, num_warps, VEC) for rows of C elements of elem_bytes, n streams. n = 8 with 2-byte elements:
-        one warp (H200, bf16, T = 16384, C = 4096, 2026-12-01: 1.013 -> 0.876 ms against 4 warps)."""
+    def resolve(self, C: int, elem_bytes: int, n: int = 4) -> "BackwardPrepareLaunch":
+        """The launch for rows of C elements of elem_bytes, n streams. n = 8 with 2-byte elements: one warp
+        (H200, bf16, T = 16384, C = 4096, 2026-12-01: 1.013 -> 0.876 ms against 4 warps), X by rows and 3 stages
+        (T = 8192: 457 -> 301 us, 2026-12-02). fp32 at n = 8 keeps 4 warps, rolled (one warp: 120 bytes of spills)."""
         vec = 16 // elem_bytes  # elements of one 16-byte load: the columns a thread folds in registers
-        one_warp = C < 1024 or (n > 4 and elem_bytes == 2)  # fp32 at n = 8: 120 bytes of spills on one warp
+        wide_half = n > 4 and elem_bytes == 2
+        one_warp = C < 1024 or wide_half
         num_warps = self.num_warps if self.num_warps is not None else (1 if one_warp else 4)
         block_c = self.block_c if self.block_c is not None else max(vec, min(32 * vec * num_warps,
                                                                              next_power_of_2(C)))
-        return block_c, num_warps, min(vec, block_c)
+        x_rows = self.x_rows if self.x_rows is not None else wide_half
+        stages = self.stages if self.stages is not None else (3 if wide_half else None)
+        return BackwardPrepareLaunch(block_c, num_warps, min(vec, block_c), x_rows, stages)
 
     @staticmethod
     def candidates(n: int = 4):
         """The tuner's variants. n = 8: only a thread's own 16-byte vector of each stream (256 columns per warp)
-        or half of it (128: 168-178 registers against 232, sm_90); wider blocks spill (2.5-117 KB)."""
+        or half of it (128: 168-178 registers against 232, sm_90); wider blocks spill (2.5-117 KB); and the
+        rolled dcomb unpipelined (the default until 2026-12-03) or pipelined, X by rows unpipelined."""
         for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
             if n <= 4 and block_c >= 256 * warps:
                 yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
             elif n > 4 and block_c in (128 * warps, 256 * warps) and (block_c, warps) != (256, 1):  # not n's default
                 yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
+        if n > 4:
+            yield BackwardPrepareConfig(x_rows=False, stages=0)
+            yield BackwardPrepareConfig(x_rows=False, stages=3)
+            yield BackwardPrepareConfig(x_rows=True, stages=0)
+            yield BackwardPrepareConfig(x_rows=True, stages=2)
+        else:
+            yield BackwardPrepareConfig(x_rows=True, stages=3)
+
+
+class BackwardPrepareLaunch(NamedTuple):
+    block_c: int
+    num_warps: int
+    vec: int          # columns a thread folds in registers
+    x_rows: bool
+    stages: Optional[int]  # 0 or None: the chunk loop not pipelined
 
 
 def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: torch.Tensor, dB: torch.Tensor,
@@ -121,10 +160,12 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     assert dY.stride(2) == 1 and X.stride(2) == 1 and B.stride(1) == 1 and dB.stride(1) == 1
     assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
     assert grad_stats.shape == (T, layout.grad_stats_width(n)) and stats.shape == (T, layout.stats_width(n))
-    block_c, num_warps, vec = (config or BackwardPrepareConfig()).resolve(C, X.element_size(), n)
+    launch = (config or BackwardPrepareConfig()).resolve(C, X.element_size(), n)
+    pipelined = {"num_stages": launch.stages} if launch.stages else {}
     fast(_backward_prepare_kernel)[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
         dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),
         grad_stats.stride(0),
-        N=n, BLOCK_C=block_c, VEC=vec, num_warps=num_warps,
+        N=n, BLOCK_C=launch.block_c, VEC=launch.vec, X_ROWS=launch.x_rows, STAGES=launch.stages or None,
+        num_warps=launch.num_warps, **pipelined,
     )
