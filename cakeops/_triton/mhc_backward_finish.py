@@ -38,7 +38,7 @@ from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
 from .launch import cdiv, next_power_of_2, persistent_programs
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
-from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel
+from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
 from .mhc_math import SINKHORN_TILE
 from .partials import sum_partials
@@ -127,6 +127,7 @@ class FinishConfig:
     stream_warps: int = 4
     stream_block_k: int = 16     # _dx_stream_kernel: logits per MMA step
     stream_group_t: int = 1      # _dx_stream_kernel: token blocks walked before the next column block
+    stream_fn_k_major: bool = False  # _dx_stream_kernel: fn read from its transpose (FN_K_MAJOR; a workspace region)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -188,7 +189,8 @@ def _wide_candidates(n: int):
     F = functools.partial(FinishConfig.for_streams, n)
     # kernel B: the batched streams-first tile (n = 8's default until 2026-12-02: 3.85 ms at T = 16384, C = 4096,
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
-    yield F(dx_by_stream=False)
+    # (the batched form itself, dx_by_stream=False, a candidate until 2026-12-03)
+    yield F(stream_fn_k_major=False)  # the default until 2026-12-03
     for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (128, 32, 8, 1), (64, 64, 8, 1), (64, 64, 4, 8)):
         yield F(stream_block_t=block_t, stream_block_c=block_c, stream_warps=warps, stream_group_t=group_t)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
@@ -214,7 +216,8 @@ def _wide_candidates(n: int):
 # B: a GEMM per output stream (dx_by_stream; sm_90 at 64 x 64 tiles of 4 warps: 128 registers bf16, 4 programs
 # per SM; 158 fp32 at 32 columns; no spills; timed in docs/perf.md); the batched form's fn columns [8, 128,
 # BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64
-# columns spill).
+# columns spill). The per-stream GEMM reads fn from fn^T (stream_fn_k_major: a transposed copy in the workspace,
+# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
 # backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills). Then 256
@@ -225,7 +228,7 @@ def _wide_candidates(n: int):
 # (2048 blocks of 8 tokens) the slowest programs walked 3 blocks, now 2 (T = 8192: 2, now 1).
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
-    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True,
+    8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
         "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
@@ -284,7 +287,8 @@ class _Plan(NamedTuple):
     dpre_block_c: int
     dpre_cols: int        # columns per slice of the dpre kernel
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
-    # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n]
+    # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n] | fn^T [K, M] (kernel B per
+    # stream, stream_fn_k_major only)
     sizes: tuple
 
 
@@ -300,8 +304,12 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     dpre_block_c = _dpre_block_c(C, cfg)
     dpre_cols = cdiv(cdiv(C, _dpre_slices(T, C, device, cfg)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n)
+             dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n, _fn_t_numel(cfg, n, C))
     return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
+
+
+def _fn_t_numel(cfg: FinishConfig, n: int, C: int) -> int:
+    return layout.n_logits(n) * n * C if cfg.dx_by_stream and cfg.stream_fn_k_major else 0
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
@@ -335,7 +343,8 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
         requested = cfg.dfn_splits or max(1, persistent_programs(device, dfn.columns * token_blocks,
                                                                    cfg.dfn_per_sm) // dfn.columns)
         dfn_partials = min(requested, token_blocks) * M * n * C
-    return 4 * fp32_scratch_numel(worst.sizes[:3] + (dfn_partials, _dpre_rows_max(T, C, device, cfg) * n))
+    return 4 * fp32_scratch_numel(worst.sizes[:3] + (dfn_partials, _dpre_rows_max(T, C, device, cfg) * n,
+                                                     _fn_t_numel(cfg, n, C)))
 
 
 def _stages(stages: Optional[int]) -> dict:
@@ -395,7 +404,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
         cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
-    dz, part, scratch, dfn_part, dpre = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
+    dz, part, scratch, dfn_part, dpre, fn_t = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
@@ -416,10 +425,17 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
                dX.stride(0), dX.stride(1))
     if cfg.dx_by_stream:
         block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
+        fn_b = fn
+        if cfg.stream_fn_k_major:
+            fn_b = fn_t.view(n * C, M)
+            fast(_transpose_kernel)[(cdiv(n * C, 64),)](fn, fn_b, M, n * C, fn.stride(0), M,
+                                                         BLOCK_R=next_power_of_2(M), BLOCK_K=64, num_warps=4)
+            strides = strides[:5] + (fn_b.stride(0),) + strides[6:]
         fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
-            X, dY, dU, fn, stats, dz, dX, T, C, *strides,
+            X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
-            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, num_warps=cfg.stream_warps, num_stages=1,
+            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
+            num_warps=cfg.stream_warps, num_stages=1,
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
