@@ -306,6 +306,33 @@ def test_both_forms_of_the_projection_agree(n, dtype):
 
 
 @pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+def test_kernel_c_on_dz_split_once_is_bitwise_the_per_tile_split(n, deterministic):
+    """dfn from dz's bf16 pieces split once per call (n = 8's default) and per tile: the same pieces, the same
+    MMAs, so bitwise equal; both against the fp64 math. Several token splits and column blocks, tails."""
+    from cakeops._triton import mhc_backward_finish as F
+
+    X, fn, scale, base, _, dY, dU = _inputs(n, T=70, C=40, dtype=torch.bfloat16)
+    _, stats = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    gs = torch.randn(X.shape[0], mhc_layout.grad_stats_width(n)).to(DEVICE)
+    want = ref.backward_finish(*_f64(X, dY, dU, fn, scale, base), stats, gs.double(), *HP_ARGS)
+    dfn = {}
+    for presplit in (False, True):
+        config = F.FinishConfig.for_streams(n, dfn_split_bf16=True, dfn_presplit=presplit, dfn_block_t=16,
+                                            dfn_block_c=16, dfn_splits=3)
+        got = (torch.empty_like(X), torch.full_like(fn, float("nan")), torch.empty(3, device=DEVICE),
+               torch.empty(2 * n + n * n, device=DEVICE))
+        F.backward_finish(X, dY, dU, fn, scale, base, stats.float(), gs, *HP_ARGS, *got,
+                          deterministic=deterministic, config=config)
+        assert rel_err(got[1], want[1]) <= 1e-3
+        dfn[presplit] = got[1]
+    if deterministic:  # atomics add in any order
+        assert torch.equal(dfn[True], dfn[False])
+    else:
+        assert rel_err(dfn[True], dfn[False]) <= 1e-6
+
+
+@pytest.mark.parametrize("n", STREAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_both_forms_of_backward_prepare_agree(n, dtype):
     """backward_prepare's dcomb gathered on rolled diagonals (n = 2 / 4's default) and from X row by row with

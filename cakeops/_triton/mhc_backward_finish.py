@@ -41,6 +41,7 @@ from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
 from .mhc_math import SINKHORN_TILE
+from .mhc_prepare import _split_fn_kernel
 from .partials import sum_partials
 
 
@@ -118,6 +119,7 @@ class FinishConfig:
     dfn_stages: Optional[int] = 3
     dfn_split_bf16: bool = False  # kernel C with bf16 X: dz split into bf16 hi / lo, bf16 MMAs (mhc_backward_dx.py)
     dfn_per_sm: int = 2          # kernel C: (n x C chunks) x (token splits) ~ dfn_per_sm programs per SM
+    dfn_presplit: bool = False   # kernel C with dfn_split_bf16: dz split once per call (a workspace region)
     dfn_splits: Optional[int] = None
     x_per_stream: bool = True    # kernel B: X as n per-stream tiles in the dY tiles' layout (H200: 0.885 ms
     #                              backward_finish against 0.945 with X as one [n, BLOCK_T, BLOCK_C] tile)
@@ -205,7 +207,8 @@ def _wide_candidates(n: int):
     # kernel C: the default until 2026-12-01 (TF32 on x converted to FP32, 64 columns, 4 warps, 2 stages), and
     # the split MMAs at the tile of 2026-12-01 .. 12-03 (TF32 at that tile was a candidate until 2026-12-03)
     yield F(dfn_block_c=64, dfn_warps=4, dfn_stages=2, dfn_split_bf16=False)
-    yield F(dfn_block_c=128, dfn_per_sm=2)
+    yield F(dfn_presplit=False)  # kernel C: dz split per tile (the default until 2026-12-03; at 128 columns and
+    #                              2 programs per SM until 2026-12-03 too: 329 against 257 us at T = 8192, gone)
     # (kernel C folded into B, one 2-D dot per token block: 7.403 ms against 4.996, H200 2026-12-01, removed)
     # (B's and C's 80 logits as 64 + 16, not padded to 128: 5.318 ms against 4.998, H200 2026-12-01, removed)
 
@@ -229,7 +232,7 @@ def _wide_candidates(n: int):
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
-        "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
+        "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
 
@@ -288,7 +291,7 @@ class _Plan(NamedTuple):
     dpre_cols: int        # columns per slice of the dpre kernel
     # FP32 workspace, in order: dz rows [T, M_PAD] | A's partials [programs, 2*M_PAD] | Sinkhorn scratch |
     # dfn partials [splits, M, K] (deterministic only) | dpre partials [slices, T, n] | fn^T [K, M] (kernel B per
-    # stream, stream_fn_k_major only)
+    # stream, stream_fn_k_major only) | dz's bf16 hi / lo pieces [2, T, M_PAD] (dfn_presplit only)
     sizes: tuple
 
 
@@ -304,12 +307,18 @@ def _plan(T: int, C: int, iters: int, device: torch.device, deterministic: bool,
     dpre_block_c = _dpre_block_c(C, cfg)
     dpre_cols = cdiv(cdiv(C, _dpre_slices(T, C, device, cfg)), dpre_block_c) * dpre_block_c
     sizes = (T * m_pad, a_programs * 2 * m_pad, a_programs * (2 * iters - 1) * cfg.dlogits_block_t * n * n,
-             dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n, _fn_t_numel(cfg, n, C))
+             dfn.splits * M * n * C if deterministic else 0, cdiv(C, dpre_cols) * T * n, _fn_t_numel(cfg, n, C),
+             _dz_pieces_numel(cfg, T, n))
     return _Plan(a_programs, dx, dfn, dpre_block_c, dpre_cols, sizes)
 
 
 def _fn_t_numel(cfg: FinishConfig, n: int, C: int) -> int:
     return layout.n_logits(n) * n * C if cfg.dx_by_stream and cfg.stream_fn_k_major else 0
+
+
+def _dz_pieces_numel(cfg: FinishConfig, T: int, n: int) -> int:
+    """FP32 elements holding dz's two bf16 pieces (allocated for any X dtype: the workspace sizes know none)."""
+    return T * logits_pad(n) if cfg.dfn_presplit and cfg.dfn_split_bf16 else 0
 
 
 def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device: torch.device,
@@ -344,7 +353,7 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
                                                                    cfg.dfn_per_sm) // dfn.columns)
         dfn_partials = min(requested, token_blocks) * M * n * C
     return 4 * fp32_scratch_numel(worst.sizes[:3] + (dfn_partials, _dpre_rows_max(T, C, device, cfg) * n,
-                                                     _fn_t_numel(cfg, n, C)))
+                                                     _fn_t_numel(cfg, n, C), _dz_pieces_numel(cfg, T, n)))
 
 
 def _stages(stages: Optional[int]) -> dict:
@@ -404,7 +413,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
         cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
-    dz, part, scratch, dfn_part, dpre, fn_t = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
+    dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
@@ -443,10 +452,16 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
             X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
         )
+    split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
+    dz_c, dz_lo = dz, None
+    if split_bf16 and cfg.dfn_presplit:
+        dz_c, dz_lo = dz_pieces.view(torch.bfloat16).view(2, T * m_pad)
+        fast(_split_fn_kernel)[(1, cdiv(T * m_pad, 1024))](dz, dz_c, 1, T * m_pad, T * m_pad, BLOCK=1024,
+                                                            num_warps=4)
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-        X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+        X, dz_c, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
         N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
-        SPLIT_BF16=cfg.dfn_split_bf16 and X.dtype == torch.bfloat16, INTERPRET=interpreting(),
+        SPLIT_BF16=split_bf16, INTERPRET=interpreting(), DZ_LO=dz_lo,
         num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
     )
     if not atomic:
