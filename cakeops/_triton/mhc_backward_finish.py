@@ -455,9 +455,12 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
     dz_c, dz_lo = dz, None
     if split_bf16 and cfg.dfn_presplit:
-        dz_c, dz_lo = dz_pieces.view(torch.bfloat16).view(2, T * m_pad)
-        fast(_split_fn_kernel)[(1, cdiv(T * m_pad, 1024))](dz, dz_c, 1, T * m_pad, T * m_pad, BLOCK=1024,
+        # the kernel is given the whole [2, T * M_PAD] buffer it writes (hi row, lo row): under torch.compile a
+        # launch's written arguments are what Inductor keeps, so a write past a row's view would be lost
+        pieces = dz_pieces.view(torch.bfloat16).view(2, T * m_pad)
+        fast(_split_fn_kernel)[(1, cdiv(T * m_pad, 1024))](dz, pieces, 1, T * m_pad, T * m_pad, BLOCK=1024,
                                                             num_warps=4)
+        dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
         X, dz_c, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
         N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
