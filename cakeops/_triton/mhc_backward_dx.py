@@ -145,17 +145,17 @@ def _transpose_kernel(SRC, DST, R, K, stride_src, stride_dst, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
+def _dfn_kernel(X, DZ, DZ_LO, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
                 N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LOGITS: tl.constexpr = 0,
-                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False, DZ_LO=None):
+                SPLIT_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False, PRESPLIT: tl.constexpr = False):
     """Kernel C: dfn[:, i*C + c] = dz^T @ X_i over a range of token blocks, a skinny GEMM (M_PAD x BLOCK_C
     tiles, K = tokens) that the compiler pipelines (asynchronous copies of both operands). Grid: (stream x
     C chunk, token splits). DFN is dfn itself (ATOMIC) or the [splits, M, K] partials. M = LOGITS when given
     (the gated head's n), else the mHC layer's 2n + n^2.
     SPLIT_BF16 (bf16 X): dz as bf16 hi + lo against x as loaded, two bf16 MMAs (the forward projection's split)
     instead of x converted to FP32 for a TF32 MMA: at n = 8 (M_PAD = 128) the GEMM has 4x n = 4's work per byte
-    of X. DZ_LO given (with SPLIT_BF16): DZ and DZ_LO are dz's bf16 hi / lo pieces [T, M_PAD], split once per call
+    of X. PRESPLIT (with SPLIT_BF16): DZ and DZ_LO are dz's bf16 hi / lo pieces [T, M_PAD], split once per call
     (_split_fn_kernel), not per tile (H200, n = 8, T = 8192: 257 -> 204 us, 2026-12-02)."""
     M = 2 * N + N * N if LOGITS == 0 else LOGITS
     c_blocks = tl.cdiv(C, BLOCK_C)
@@ -175,7 +175,7 @@ def _dfn_kernel(X, DZ, DFN, T, C, blocks_per_split, stride_xt, stride_xi,
         x = tl.load(X + t64[:, None] * stride_xt + i * stride_xi + c[None, :], mask=t_ok[:, None] & (c < C)[None, :],
                     other=0.0)
         if SPLIT_BF16:
-            if DZ_LO is None:
+            if not PRESPLIT:  # DZ_LO unread (a pointer always, not None: launchers drop None arguments)
                 dz_hi, dz_lo = bf16_pieces(dz_t)
             else:
                 dz_hi, dz_lo = dz_t, tl.load(DZ_LO + dz_at, mask=dz_ok, other=0.0)

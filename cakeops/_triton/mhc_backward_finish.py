@@ -453,7 +453,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
         )
     split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
-    dz_c, dz_lo = dz, None
+    dz_c, dz_lo = dz, dz
     if split_bf16 and cfg.dfn_presplit:
         # the kernel is given the whole [2, T * M_PAD] buffer it writes (hi row, lo row): under torch.compile a
         # launch's written arguments are what Inductor keeps, so a write past a row's view would be lost
@@ -462,9 +462,9 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
                                                             num_warps=4)
         dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-        X, dz_c, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+        X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
         N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
-        SPLIT_BF16=split_bf16, INTERPRET=interpreting(), DZ_LO=dz_lo,
+        SPLIT_BF16=split_bf16, INTERPRET=interpreting(), PRESPLIT=split_bf16 and cfg.dfn_presplit,
         num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
     )
     if not atomic:

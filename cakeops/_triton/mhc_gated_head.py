@@ -595,7 +595,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
         )
     if cfg.dfn == "separate":
         fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-            X, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+            X, dz, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
             BLOCK_C=plan.dfn.block_c, LOGITS=n, num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
         )
