@@ -209,13 +209,18 @@ def test_the_forward_workspace_size_follows_the_gpus_slicing_rule(monkeypatch):
 
     monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm=2: min(work, 132 * per_sm))
     monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
-    gpu, H = torch.device("cuda"), 4096
-    for n, big in ((4, 20000), (8, 12000)):
+    gpu = torch.device("cuda")
+    # every dtype (their columns per chunk and, at n = 8, programs per SM differ, so do their slices), the layer's
+    # default and resolve's rule, a hidden size whose chunks bound the slices
+    for n, big, H in ((4, 20000, 4096), (8, 12000, 4096), (8, 3000, 64)):
         size = mhc_prepare.workspace_bytes_max(big, n, H, gpu)
         for t in sorted({1, 100, 2048, 2049, 4096, 8192, 8193, 8320, 8448, 8449, 12000, 16384, big}):
-            if t <= big:
-                cfg = mhc_prepare.PrepareConfig().resolve_for(t, H, gpu, n=n)
-                assert layout_bytes(mhc_prepare.workspace_regions(t, n, H, torch.bfloat16, cfg)) <= size, (n, t)
+            for base in (mhc_prepare.PrepareConfig(), mhc_prepare.layer_config(None, n, True)):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    if t <= big:
+                        cfg = base.resolve_for(t, H, gpu, n=n, dtype=dtype)
+                        need = layout_bytes(mhc_prepare.workspace_regions(t, n, H, dtype, cfg))
+                        assert need <= size, (n, t, H, dtype, base)
 
 
 def test_workspace_errors_say_what_is_needed(triton_kernels):

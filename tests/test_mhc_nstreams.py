@@ -305,6 +305,29 @@ def test_both_forms_of_the_projection_agree(n, dtype):
     assert rel_err(got[True], got[False]) <= 1e-5
 
 
+@pytest.mark.parametrize("stream_steps", [False, True], ids=["all_streams", "stream_steps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_projection_on_split_logits_agrees_with_one_accumulator(stream_steps, dtype):
+    """n = 8's projection with its 80 logits as 64 + 16 accumulators and as one padded to 128, both against the fp64
+    math and each other. Slices with a partial last one, two token blocks with a tail."""
+    from cakeops._triton import mhc_prepare as P
+
+    assert P.logit_split_widths(8, True) == (64, 16)
+    X, fn, scale, base, *_ = _inputs(8, T=21, C=40, dtype=dtype)
+    want_U, want = ref.forward_prepare(*_f64(X, fn, scale, base), *HP_ARGS)
+    got = {}
+    for split in (False, True):
+        config = P.PrepareConfig(block_t=16, block_c=16, num_warps=4, slices=3, stream_steps=stream_steps,
+                                 logit_split=split)
+        stats = torch.full((X.shape[0], mhc_layout.stats_width(8)), float("nan"), device=DEVICE)
+        U = torch.full_like(X[:, 0], float("nan"))
+        P.prepare(X, fn, scale, base, *HP_ARGS, stats, U, config=config)
+        assert rel_err(stats, want) <= 1e-3 and rel_err(U, want_U) <= (4e-3 if dtype == torch.bfloat16 else 1e-5)
+        got[split] = stats
+    # the same products; an MMA of another width may sum them in another order (the H200's do: FP32 rounding apart)
+    assert rel_err(got[True], got[False]) <= 1e-5
+
+
 @pytest.mark.parametrize("n", STREAMS)
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
 def test_kernel_c_on_dz_split_once_is_bitwise_the_per_tile_split(n, deterministic):
@@ -404,10 +427,35 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
         assert all(r.block_c == (16 if not r.stream_steps else r.block_c) and r.block_c in (16, 32, 64)
                    for r in resolved)
         assert any(r.stream_steps for r in resolved) and any(not r.stream_steps for r in resolved)
+        # the 64 + 16 logit accumulators (the default) and one of 128, with one stream per step; the 16-column
+        # all-streams step keeps one accumulator
+        assert all(r.stream_steps or not r.logit_split for r in resolved)
+        assert any(r.logit_split for r in resolved) and any(r.stream_steps and not r.logit_split for r in resolved)
     else:
         launches = [cfg.resolve(4096, 2, 8) for cfg in wide]
         assert all(la.block_c in (128 * la.num_warps, 256 * la.num_warps) for la in launches)
         assert any(la.x_rows for la in launches) and any(not la.x_rows for la in launches)
+
+
+def test_n8_projection_default_splits_its_logits_and_fills_two_programs_per_sm(monkeypatch):
+    """n = 8's layer default on an H200 that is not there: the 80 logits as 64 + 16 accumulators, twice the column
+    slices for bf16 X (2 programs per SM), once for fp32 (TF32 tiles: 1 per SM); n = 2 / 4 keep one accumulator."""
+    from cakeops._triton import mhc_prepare as P
+
+    monkeypatch.setattr(P, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
+    monkeypatch.setattr(P, "_large_shared_memory", lambda device: True)
+    cuda = torch.device("cuda")
+    layer = P.layer_config(None, 8, True)
+    got = {(T, dtype): layer.resolve_for(T, 4096, cuda, True, n=8, dtype=dtype)
+           for T in (8192, 16384) for dtype in (torch.bfloat16, torch.float32)}
+    assert all(r.logit_split and r.stream_steps for r in got.values())
+    assert [got[(T, torch.bfloat16)].slices for T in (8192, 16384)] == [4, 2]
+    assert [got[(T, torch.float32)].slices for T in (8192, 16384)] == [2, 1]
+    for n in (2, 4):
+        assert not P.layer_config(None, n, True).resolve_for(8192, 4096, cuda, True, n=n).logit_split
+        assert P.logit_split_widths(n, True) == (0, 16)
+    assert P.logit_split_widths(8, False) == (0, 16)
+    assert not P.PrepareConfig(stream_steps=False).resolve_for(8192, 4096, cuda, True, n=8).logit_split
 
 
 def test_kernel_a_at_n8_keeps_its_programs_resident():

@@ -193,7 +193,13 @@ def _wide_candidates(n: int):
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
     # (the batched form itself, dx_by_stream=False, a candidate until 2026-12-03)
     yield F(stream_fn_k_major=False)  # the default until 2026-12-03
-    for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (128, 32, 8, 1), (64, 64, 8, 1), (64, 64, 4, 8)):
+    # kernel B's register cap: none (110 registers, 4 programs of 4 warps per SM; the default until 2026-12-03:
+    # 1229 against 1152 us at T = 8192), 80 (6 per SM, 144 bytes spilled: 1.705 against 1.593 ms, H200 2026-12-03)
+    for maxnreg in (None, 80):
+        yield F(maxnreg=maxnreg)
+    # (64 x 64 of 8 warps and 128 x 32 of 8: 3279-3459 / 3076-3337 us against 2581 at T = 16384, H200 2026-12-02;
+    # dropped from the sweep on 2026-12-03)
+    for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (64, 64, 4, 8)):
         yield F(stream_block_t=block_t, stream_block_c=block_c, stream_warps=warps, stream_group_t=group_t)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
@@ -220,7 +226,9 @@ def _wide_candidates(n: int):
 # per SM; 158 fp32 at 32 columns; no spills; timed in docs/perf.md); the batched form's fn columns [8, 128,
 # BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64
 # columns spill). The per-stream GEMM reads fn from fn^T (stream_fn_k_major: a transposed copy in the workspace,
-# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md).
+# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md), capped at 96 registers (maxnreg:
+# 5 programs of 4 warps per SM instead of 4; sm_90: 16 bytes spilled bf16, 32 fp16; H200, T = 8192: 1229 -> 1152
+# us, 2026-12-03; fp32 X keeps no cap, see finish()).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
 # backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills). Then 256
@@ -232,6 +240,7 @@ def _wide_candidates(n: int):
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
+        "maxnreg": 96,
         "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
@@ -407,7 +416,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     if config is None and n > 4 and X.element_size() == 4:
         # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
         # memory (sm_90 has 227 KB), 16 fit; per stream: 64 columns of three-pass TF32 spill, 32 hold 160 registers
-        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2)
+        # (so no register cap: bf16's 96 would spill them)
+        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, maxnreg=None)
     if config is None and n > 4 and X.dtype != torch.bfloat16:
         # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
@@ -444,7 +454,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            num_warps=cfg.stream_warps, num_stages=1,
+            num_warps=cfg.stream_warps, num_stages=1, **_register_cap(cfg.maxnreg),
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](

@@ -81,9 +81,9 @@ def _head_project_kernel(X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_f
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
-    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
-                           stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT,
-                           STREAM_STEPS)
+    acc, _, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols),
+                              stride_xi, stride_fn, N, N, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION,
+                              PRESPLIT, STREAM_STEPS)
     m = tl.arange(0, M_PAD)
     row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     tl.store(row[:, None] + m[None, :], tl.where(m[None, :] == N, sum_sq[:, None], acc), mask=t_ok[:, None])

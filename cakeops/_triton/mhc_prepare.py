@@ -39,16 +39,12 @@ from .mhc_streams import StreamConfig, collapse
 
 
 @triton.jit
-def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc, sum_sq,
-                   M: tl.constexpr, M_PAD: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-                   PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
-    """One stream's columns c of a token block added to (acc, sum_sq); fn rows past M are masked to zero."""
-    offs_m = tl.arange(0, M_PAD)
-    x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+def _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc, M0: tl.constexpr, WIDTH: tl.constexpr, M: tl.constexpr,
+            SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
+    """acc + x @ fn[M0:M0+WIDTH, i*C + c]^T; fn rows past M are masked to zero."""
+    offs_m = M0 + tl.arange(0, WIDTH)
     w_mask = (offs_m < M)[None, :] & c_ok[:, None]
     w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
-    xf = x.to(tl.float32)
-    sum_sq += xf * xf
     if SPLIT_BF16:
         if PRESPLIT:
             w_hi = w
@@ -59,16 +55,34 @@ def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc,
         acc = dot_bf16(x, w_lo, acc, INTERPRET)
     else:
         acc = tl.dot(xf, w, acc, input_precision=PRECISION)
-    return acc, sum_sq
+    return acc
+
+
+@triton.jit
+def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc, acc_lo, sum_sq,
+                   M: tl.constexpr, M_PAD: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+                   PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, M_HI: tl.constexpr, M_LO: tl.constexpr):
+    """One stream's columns c of a token block added to (acc, acc_lo, sum_sq): logits [0, M_PAD) into acc, or,
+    with M_HI > 0, [0, M_HI) into acc and [M_HI, M_HI + M_LO) into acc_lo."""
+    x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    sum_sq += xf * xf
+    acc = _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc, 0, M_PAD if M_HI == 0 else M_HI, M,
+                  SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+    if M_HI > 0:
+        acc_lo = _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc_lo, M_HI, M_LO, M,
+                         SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+    return acc, acc_lo, sum_sq
 
 
 @triton.jit
 def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
              N: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
              BLOCK_C: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
-             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, STREAM_STEPS: tl.constexpr = False):
-    """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD] and the sum of x^2
-    [BLOCK_T] over those columns), FP32.
+             PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, STREAM_STEPS: tl.constexpr = False,
+             M_HI: tl.constexpr = 0, M_LO: tl.constexpr = 16):
+    """A token block, columns [c_lo, c_hi) of every stream: (fn @ x [BLOCK_T, M_PAD], [BLOCK_T, M_LO] and the
+    sum of x^2 [BLOCK_T] over those columns), FP32.
 
     Walks the columns in BLOCK_C chunks, the n streams of a chunk together in one loop step (no div/mod to
     unflatten K); STREAM_STEPS: one stream's chunk per step instead (the loop runs n times as many steps, each
@@ -78,24 +92,30 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
     other dtypes take fp32 x with TF32. The interpreter's bf16 dot is broken, so there the same pieces
     go through an fp32 dot. PRESPLIT: FN is [2, M, K] bf16 (hi, lo), split once per call by _split_fn_kernel,
     so the tiles go to the tensor cores as loaded instead of through registers for the split.
+    M_HI > 0 (n = 8's 80 logits): the logits as two accumulators, [0, M_HI) and [M_HI, M_HI + M_LO) (64 + 16),
+    instead of one padded to M_PAD = 128: 37.5 % fewer MMA operations; the first is then only M_HI wide and the
+    second holds the rest (otherwise an unused [BLOCK_T, M_LO] of zeros).
     """
     offs_c = tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_T, M_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, M_PAD if M_HI == 0 else M_HI], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_T, M_LO], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if STREAM_STEPS:
         chunks = tl.cdiv(c_hi - c_lo, BLOCK_C)
         for step in range(0, N * chunks):
             i = step // chunks
             c = c_lo + (step - i * chunks) * BLOCK_C + offs_c
-            acc, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc, sum_sq,
-                                         M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+            acc, acc_lo, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc,
+                                                 acc_lo, sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION,
+                                                 PRESPLIT, M_HI, M_LO)
     else:
         for c0 in range(c_lo, c_hi, BLOCK_C):
             c = c0 + offs_c
             for i in tl.static_range(N):
-                acc, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc,
-                                             sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
-    return acc, tl.sum(sum_sq, axis=1)
+                acc, acc_lo, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn,
+                                                     acc, acc_lo, sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET,
+                                                     PRECISION, PRESPLIT, M_HI, M_LO)
+    return acc, acc_lo, tl.sum(sum_sq, axis=1)
 
 
 @triton.jit
@@ -114,20 +134,27 @@ def _project_kernel(
     X, FN, PART, T, C, cols, stride_xt, stride_xi, stride_fn,
     N: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr,
-    STREAM_STEPS: tl.constexpr = False,
+    STREAM_STEPS: tl.constexpr = False, M_HI: tl.constexpr = 0, M_LO: tl.constexpr = 16,
 ):
     """Program (token block, column slice): the slice's projection and sum of squares into PART [slices, T,
     M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
-    M = 2 * N + N * N
+    M: tl.constexpr = 2 * N + N * N
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
-    acc, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols), stride_xi,
-                           stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT,
-                           STREAM_STEPS)
-    offs_m = tl.arange(0, M_PAD)
-    row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
-    tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc), mask=t_ok[:, None])
+    acc, acc_lo, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols),
+                                   stride_xi, stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET,
+                                   PRECISION, PRESPLIT, STREAM_STEPS, M_HI, M_LO)
+    row = (PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD)[:, None]
+    if M_HI == 0:
+        offs_m = tl.arange(0, M_PAD)[None, :]
+        tl.store(row + offs_m, tl.where(offs_m == M, sum_sq[:, None], acc), mask=t_ok[:, None])
+    else:  # the two accumulators, then the row's tail past the logits: sum(x^2) at M, zeros after it
+        tl.store(row + tl.arange(0, M_HI)[None, :], acc, mask=t_ok[:, None])
+        offs_lo = M_HI + tl.arange(0, M_LO)[None, :]
+        tl.store(row + offs_lo, acc_lo, mask=t_ok[:, None] & (offs_lo < M))
+        offs_tail = M_HI + tl.arange(0, M_PAD - M_HI)[None, :]
+        tl.store(row + offs_tail, tl.where(offs_tail == M, sum_sq[:, None], 0.0), mask=t_ok[:, None] & (offs_tail >= M))
 
 
 @triton.jit
@@ -175,6 +202,18 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     tl.store(s_row[:, None, None] + COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
+def logit_split_widths(n: int, split: bool):
+    """(M_HI, M_LO) of _project for n streams: the M = 2n + n^2 logits as [0, M_HI) and [M_HI, M_HI + M_LO) when
+    ``split`` and that is narrower than one accumulator of logits_pad(n) (n = 8: 64 + 16 against 128; at n = 2
+    and 4 a tl.dot's 16-column minimum leaves nothing to save); (0, 16) otherwise: one accumulator."""
+    M = 2 * n + n * n
+    hi = 1 << (M.bit_length() - 1)
+    lo = max(16, next_power_of_2(M - hi)) if M > hi else 0
+    if not split or hi < 16 or lo == 0 or hi + lo >= logits_pad(n):
+        return 0, 16
+    return hi, lo
+
+
 def _large_shared_memory(device: torch.device) -> bool:
     """At least ~200 KB of shared memory per block (sm_90: 227 KB; sm_80: 163 KB). Unknown devices: True."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
@@ -213,6 +252,8 @@ class PrepareConfig:
     collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
     presplit: bool = True
     stream_steps: Optional[bool] = None  # projection: one stream's chunk per loop step (_project); None: n > 4
+    logit_split: Optional[bool] = None  # projection: n = 8's 80 logits as 64 + 16 accumulators, not one padded to
+    #                                     128 (logit_split_widths); None: where that is narrower (n = 8, stream_steps)
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
@@ -229,13 +270,17 @@ class PrepareConfig:
         # (fp32 X at 64 columns: 255 registers and spills on sm_90, so 32)
         widest = 64 if not (wide and stream_steps and dtype == torch.float32) else 32
         block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
+        split = stream_steps and logit_split_widths(n, True)[0] > 0 if self.logit_split is None else self.logit_split
         if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
-            # the slices follow the block size that runs: a given one (n = 8's layer default is 128) or the rule's
+            # the slices follow the block size that runs: a given one (n = 8's layer default is 128) or the rule's;
+            # n = 8's split logits on bf16 X leave room for 2 programs per SM (sm_90: 128 registers, 92 KB of
+            # shared memory at 128 x 64 of 8 warps), so twice the slices (T = 8192: 4, 196 us against 2's 244)
+            per_sm = 2 if split and dtype == torch.bfloat16 and logit_split_widths(n, True)[0] > 0 else 1
             block_t = self.block_t or (64 if wide else 128)
-            slices = max(1, min(8, sms // cdiv(T, block_t), cdiv(C, block_c)))
+            slices = max(1, min(8, per_sm * sms // cdiv(T, block_t), cdiv(C, block_c)))
             while self.block_t is None and block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
             # fp32 / fp16 X: fn's tiles stay FP32 (no bf16 pieces), twice the bytes a stage: 3 stages need
@@ -245,6 +290,7 @@ class PrepareConfig:
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
                           num_stages=3 if deep else 2, slices=slices)
         chosen["stream_steps"] = stream_steps
+        chosen["logit_split"] = split
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
 
     @staticmethod
@@ -269,22 +315,31 @@ def _wide_candidates():
     tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers,
     column slices give the SMs programs to share. stream_steps: one stream's 32 / 64 columns per loop step (48 KB
     of shared memory a stage at 128 x 64, bf16)."""
-    # T = 8192 / 16384 on an H200 (2026-12-02), ms; the layer default 128 x 64 / 8 warps / 3 stages 0.450 / 0.855
-    for block_t, warps, stages, block_c in ((128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
+    # the layer default (128 x 64, 8 warps, 3 stages, the 80 logits as 64 + 16 accumulators, 4 / 2 slices at
+    # T = 8192 / 16384) at other depths, slices and tiles. H200 2026-12-03, forward_prepare ms at T = 8192 / 16384
+    # (logit split, 2 slices: 0.400 / -; 4: 0.386 / 0.734; the stages measured at 2 / 1 slices)
+    for block_t, warps, stages, slices in ((128, 8, 4, None),   # 0.411 / -, 128 KB of shared memory
+                                           (128, 8, 5, None),   # 0.409 / 0.779
+                                           (128, 8, 3, 4),
+                                           (128, 8, 3, 2),
+                                           (64, 4, 4, None)):   # 0.461 / 0.743, 146 registers
+        yield PrepareConfig(block_t=block_t, block_c=64, num_warps=warps, num_stages=stages, slices=slices,
+                            stream_steps=True, logit_split=True)
+    # one accumulator of 128 logit columns (M_PAD; the default until 2026-12-03, 162 registers, 128 KB, 1 / SM)
+    # T = 8192 / 16384 on an H200 (2026-12-02), ms; 128 x 64 / 8 warps / 3 stages 0.450 / 0.855
+    for block_t, warps, stages, block_c in ((128, 8, 3, 64),
+                                            (128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
                                             (64, 4, 3, 64),     # 0.519 / 0.820, 115 KB, 2 / SM
-                                            (128, 4, 3, 64),    # 0.490 / 0.934
-                                            (256, 8, 2, 64),    # 0.537 / 0.976, 255 registers
-                                            (128, 8, 3, 32),    # 0.555 / 1.055
-                                            (128, 8, 2, 64)):   # 0.644 / 1.377
-        yield PrepareConfig(block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages, stream_steps=True)
+                                            (128, 4, 3, 64)):   # 0.490 / 0.934
+        yield PrepareConfig(block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages, stream_steps=True,
+                            logit_split=False)
+    # (256 x 64 of 8 warps, 2 stages: 0.537 / 0.976; 128 x 32 of 8, 3 stages: 0.555 / 1.055; 128 x 64 of 8, 2
+    # stages: 0.644 / 1.377; dropped from the sweep on 2026-12-03)
     # all 8 streams per loop step (the default until 2026-12-02: 128 x 16, 8 warps, 2 stages, 2 slices: 0.661 at
-    # T = 8192; the others 0.717-1.480)
-    for block_t, warps, stages, slices, presplit in (
-            (128, 8, 2, 2, True), (128, 8, 3, 2, False),     # 160 KB, 1 / SM; 200 KB, 1 / SM
-            (128, 8, 2, 2, False), (64, 4, 3, 1, True)):     # 104 KB, 128 registers, 2 / SM; 229 KB
-        yield PrepareConfig(block_t=block_t, block_c=16, num_warps=warps, num_stages=stages, slices=slices,
-                            presplit=presplit, stream_steps=False)
-    # (the 80 logits as 64 + 16, not padded to 128: 1.705 / 2.604 ms against 1.256, H200 2026-12-01, removed)
+    # T = 8192; the others 0.717-1.480; 128 x 16 / 3 stages / fn split per tile, 2026-12-03: 0.720)
+    yield PrepareConfig(block_t=128, block_c=16, num_warps=8, num_stages=2, slices=2, stream_steps=False)
+    # (the 80 logits as 64 + 16 at all 8 streams per step, 16 columns: 1.705 / 2.604 ms against 1.256, H200
+    # 2026-12-01; one stream per step, 64 columns, they are the default since 2026-12-03)
 
 
 # The layer's projection at n = 8 where it differs from resolve's rules (which the gated head's projection, with
@@ -336,8 +391,10 @@ def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Op
     base = layer_config(config, n, device.type == "cuda")
     block = 64 if n > 4 else 128
     candidates = {T} | {block * k for k in range(1, min(cdiv(T, block), 257))}
-    parts = max((workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n))[0][0]
-                 for t in candidates if t <= T), key=math.prod)  # by elements: shapes compare lexicographically
+    # the dtypes resolve to different columns per chunk and (n = 8) programs per SM, so to different slices
+    parts = max((workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n, dtype=dtype))[0][0]
+                 for t in candidates if t <= T for dtype in (torch.bfloat16, torch.float16, torch.float32)),
+                key=math.prod)  # by elements: shapes compare lexicographically
     M = 2 * n + n * n
     return layout_bytes([((2, M, n * C), torch.bfloat16), (parts, torch.float32)])
 
@@ -379,6 +436,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, STREAM_STEPS=cfg.stream_steps,
+        **dict(zip(("M_HI", "M_LO"), logit_split_widths(n, cfg.logit_split))),
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
