@@ -244,15 +244,32 @@ class GatedHeadConfig:
         yield G(dfn="separate", dx_maxnreg=128, dx_per_sm=4)
 
 
+# n > 4: the projection one stream per loop step on 128 x 128 tiles of 8 warps (H200, bf16, C = 4096, 2026-12-03,
+# .devrun/head_fwd8.py: the head's forward at n = 8, T = 8192 / 16384: 0.393 / 0.727 -> 0.284 / 0.544 ms with 4
+# stages, 0.289 / 0.553 with 3; all 8 streams per step at 32 columns, the form until then, 0.379 / 0.727 at 128
+# tokens; one stream at 128 x 64: 0.328 / 0.628, 64 x 128 of 4 warps: 0.322 / 0.547). The record is FP32 rounding
+# apart from the all-streams form's (Y within a bf16 rounding).
+WIDE_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
+
+
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
     """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given; all n streams
-    in a loop step unless ``stream_steps`` is given (the layer's n = 8 form: the head's n logits make small tiles)."""
+    in a loop step unless ``stream_steps`` is given; at n > 4 on a GPU the fields left None take WIDE_PROJECTION's
+    (4 stages for bf16 X: 128 KB of shared memory on sm_90; fp32 X 64 columns: three-pass TF32 at 128 spills)."""
     T, n, C = X.shape
     proj = cfg.projection
+    if n > 4 and X.is_cuda:  # (the interpreter keeps resolve's small tiles)
+        wide = dict(WIDE_PROJECTION, num_stages=4 if X.dtype == torch.bfloat16 else None)
+        if X.dtype == torch.float32:
+            wide["block_c"] = 64
+        proj = replace(proj, **{k: v for k, v in wide.items() if getattr(proj, k) is None})
+        proj = replace(proj, block_c=min(proj.block_c, max(16, next_power_of_2(C))))
     if proj.block_c is None:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
     if proj.stream_steps is None:
         proj = replace(proj, stream_steps=False)
+    if proj.logit_split is None:  # the layer's 2n + n^2 logits; the head has n, one accumulator of M_PAD
+        proj = replace(proj, logit_split=False)
     return proj.resolve(X)
 
 
