@@ -197,13 +197,14 @@ def _wide_candidates(n: int):
     # 1229 against 1152 us at T = 8192), 80 (6 per SM, 144 bytes spilled: 1.705 against 1.593 ms, H200 2026-12-03)
     for maxnreg in (None, 80):
         yield F(maxnreg=maxnreg)
-    # (64 x 64 of 8 warps and 128 x 32 of 8: 3279-3459 / 3076-3337 us against 2581 at T = 16384, H200 2026-12-02;
-    # dropped from the sweep on 2026-12-03)
-    for block_t, block_c, warps, group_t in ((64, 32, 4, 1), (64, 64, 4, 8)):
-        yield F(stream_block_t=block_t, stream_block_c=block_c, stream_warps=warps, stream_group_t=group_t)
+    # (several streams per program one after another: the compiler hoists the dY and dz tiles out of the stream
+    # loop, 255 registers and 2 programs per SM at 2 or 8 streams, sm_90 build 2026-12-03; not timed)
+    # (64 x 32 of 4 warps, 64 x 64 of 8 and 128 x 32 of 8: 3214-3245 / 3279-3459 / 3076-3337 us against 2581 at
+    # T = 16384, H200 2026-12-02; dropped from the sweep on 2026-12-03)
+    yield F(stream_group_t=8)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
-    yield F(dlogits_block_t=2, dlogits_per_sm=18)  # A: 110 registers, 18 / SM
+    # (A at 2 tokens, 18 programs per SM, 110 registers: a candidate until 2026-12-03)
     yield F(dlogits_warps=2, dlogits_per_sm=6)     # A: 166 registers, 6 / SM of 2 warps
     # (B at 16 columns per stream, fn's [8, 128, 16] chunk, 2-3 programs of 4 warps per SM: all slower on the H200,
     # 2026-12-01, 10.5-12.6 ms against 7.9; gone)
