@@ -423,8 +423,8 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
         monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
         resolved = [cfg.resolve_for(16384, 4096, torch.device("cuda"), True, n=8) for cfg in wide]
         assert all(r.slices >= 1 for r in resolved)
-        # all 8 streams per loop step fit 16 columns of n = 8's fn tiles; one stream per step 32 or 64
-        assert all(r.block_c == (16 if not r.stream_steps else r.block_c) and r.block_c in (16, 32, 64)
+        # all 8 streams per loop step fit 16 columns of n = 8's fn tiles; one stream per step 32 to 128
+        assert all(r.block_c == (16 if not r.stream_steps else r.block_c) and r.block_c in (16, 32, 64, 128)
                    for r in resolved)
         assert any(r.stream_steps for r in resolved) and any(not r.stream_steps for r in resolved)
         # the 64 + 16 logit accumulators (the default) and one of 128, with one stream per step; the 16-column

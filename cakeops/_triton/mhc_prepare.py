@@ -325,6 +325,11 @@ def _wide_candidates():
                                            (64, 4, 4, None)):   # 0.461 / 0.743, 146 registers
         yield PrepareConfig(block_t=block_t, block_c=64, num_warps=warps, num_stages=stages, slices=slices,
                             stream_steps=True, logit_split=True)
+    # 128 columns per step (sm_90: 220 registers, 184 KB at 128 x 128 of 8 warps, 240 and 152 KB at 64 x 128 of 4;
+    # one program per SM)
+    for block_t, warps in ((128, 8), (64, 4)):
+        yield PrepareConfig(block_t=block_t, block_c=128, num_warps=warps, num_stages=3, stream_steps=True,
+                            logit_split=True)
     # one accumulator of 128 logit columns (M_PAD; the default until 2026-12-03, 162 registers, 128 KB, 1 / SM)
     # T = 8192 / 16384 on an H200 (2026-12-02), ms; 128 x 64 / 8 warps / 3 stages 0.450 / 0.855
     for block_t, warps, stages, block_c in ((128, 8, 3, 64),
