@@ -245,22 +245,24 @@ class GatedHeadConfig:
         yield G(dfn="separate", dx_maxnreg=128, dx_per_sm=4)
 
 
-# n > 4: the projection one stream per loop step on 128 x 128 tiles of 8 warps (H200, bf16, C = 4096, 2026-12-03,
-# .devrun/head_fwd8.py: the head's forward at n = 8, T = 8192 / 16384: 0.393 / 0.727 -> 0.284 / 0.544 ms with 4
-# stages, 0.289 / 0.553 with 3; all 8 streams per step at 32 columns, the form until then, 0.379 / 0.727 at 128
-# tokens; one stream at 128 x 64: 0.328 / 0.628, 64 x 128 of 4 warps: 0.322 / 0.547). The record is FP32 rounding
-# apart from the all-streams form's (Y within a bf16 rounding).
+# n > 4: the projection one stream per loop step on 128 x 128 tiles of 8 warps, resolve's stages (3 for bf16)
+# (H200, bf16, C = 4096, 2026-12-03, .devrun/head_fwd8.py: the head's forward at n = 8, T = 8192 / 16384: 0.393 /
+# 0.727 -> 0.289 / 0.553 ms; 4 stages 0.284 / 0.544, but Inductor's launch of that build gave other bits than
+# Triton's own in a bf16 rounding of Y (compile_tests/test_unchecked_twins.py at n = 8), 3 stages the same bits; all
+# 8 streams per step at 32 columns, the form until then, 0.379 / 0.727 at 128 tokens; one stream at 128 x 64:
+# 0.328 / 0.628, 64 x 128 of 4 warps: 0.322 / 0.547). The record is FP32 rounding apart from the all-streams
+# form's (Y within a bf16 rounding).
 WIDE_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
 
 
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
     """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given; all n streams
     in a loop step unless ``stream_steps`` is given; at n > 4 on a GPU the fields left None take WIDE_PROJECTION's
-    (4 stages for bf16 X: 128 KB of shared memory on sm_90; fp32 X 64 columns: three-pass TF32 at 128 spills)."""
+    (fp32 X 64 columns: three-pass TF32 at 128 spills on sm_90)."""
     T, n, C = X.shape
     proj = cfg.projection
     if n > 4 and X.is_cuda:  # (the interpreter keeps resolve's small tiles)
-        wide = dict(WIDE_PROJECTION, num_stages=4 if X.dtype == torch.bfloat16 else None)
+        wide = dict(WIDE_PROJECTION)
         if X.dtype == torch.float32:
             wide["block_c"] = 64
         proj = replace(proj, **{k: v for k, v in wide.items() if getattr(proj, k) is None})
