@@ -130,8 +130,7 @@ class GatedHeadConfig:
     multiprocessors) with ``project_cols // n`` columns per stream and chunk when ``projection.block_c`` is None:
     a chunk loads all n streams, so the pipeline's shared memory is (stages - 1) * n * block_c * (2 block_t +
     4 M_PAD) bytes plus 16 KiB: 180224 at every n on sm_90 (the 232448 limit) and 163840 on sm_80 (166912);
-    n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check). On a GPU n > 4 takes one stream
-    per loop step instead (WIDE_PROJECTION: 128 x 128 tiles, 25 % faster at n = 8 on an H200).
+    n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check).
 
     Backward: the dgate pass, then per-token dlogits, then dX and dfn in one FMA pass (``dfn="columns"``,
     ``columns_*``: n * ``columns_elems`` columns per program, ``columns_shape(n)`` its steps), or dX through
@@ -245,28 +244,12 @@ class GatedHeadConfig:
         yield G(dfn="separate", dx_maxnreg=128, dx_per_sm=4)
 
 
-# n > 4: the projection one stream per loop step on 128 x 128 tiles of 8 warps, resolve's stages (3 for bf16)
-# (H200, bf16, C = 4096, 2026-12-03, .devrun/head_fwd8.py: the head's forward at n = 8, T = 8192 / 16384: 0.393 /
-# 0.727 -> 0.289 / 0.553 ms; 4 stages 0.284 / 0.544, but Inductor's launch of that build gave other bits than
-# Triton's own in a bf16 rounding of Y (compile_tests/test_unchecked_twins.py at n = 8), 3 stages the same bits; all
-# 8 streams per step at 32 columns, the form until then, 0.379 / 0.727 at 128 tokens; one stream at 128 x 64:
-# 0.328 / 0.628, 64 x 128 of 4 warps: 0.322 / 0.547). The record is FP32 rounding apart from the all-streams
-# form's (Y within a bf16 rounding).
-WIDE_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
-
-
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
     """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given; all n streams
-    in a loop step unless ``stream_steps`` is given; at n > 4 on a GPU the fields left None take WIDE_PROJECTION's
-    (fp32 X 64 columns: three-pass TF32 at 128 spills on sm_90)."""
+    in a loop step unless ``stream_steps`` is given (one stream per step on 128 x 128 tiles was 27 % faster at
+    n = 8 on an H200 but not the default: docs/perf.md, 2026-12-03 second session)."""
     T, n, C = X.shape
     proj = cfg.projection
-    if n > 4 and X.is_cuda:  # (the interpreter keeps resolve's small tiles)
-        wide = dict(WIDE_PROJECTION)
-        if X.dtype == torch.float32:
-            wide["block_c"] = 64
-        proj = replace(proj, **{k: v for k, v in wide.items() if getattr(proj, k) is None})
-        proj = replace(proj, block_c=min(proj.block_c, max(16, next_power_of_2(C))))
     if proj.block_c is None:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
     if proj.stream_steps is None:
