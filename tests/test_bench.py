@@ -247,3 +247,18 @@ def test_kernel_times_are_per_call_and_named_by_kernel():
     assert len(once) == 1 and all(us > 0 for us in once.values())
     (name, us), = once.items()
     assert twice[name] == pytest.approx(2 * us, rel=0.5)  # per call: two launches take about twice one
+
+
+def test_build_check_hash_ignores_debug_info_only():
+    """``build_check --sha`` compares builds before / after a change: source locations, the debug labels they
+    refer to and the debug sections must not count, an instruction must."""
+    from cakeops.bench.build_check import _code_sha
+
+    code = ["\tld.global.b32 %r1, [%rd1];", "\tfma.rn.f32 %r3, %r1, %r1, %r2;", "\tret;"]
+    a = "\n".join(["\t.loc 1 10 0", "$L__tmp3:", code[0], "\t.loc 1 11 5", code[1], code[2],
+                   ".section .debug_info", ".b64 $L__tmp3"])
+    b = "\n".join(["\t.file 2 \"other.py\"", code[0], "$L__tmp99:", "\t.loc 1 42 0", code[1], code[2],
+                   ".section .debug_info", ".b64 $L__tmp99", ".b64 $L__tmp7"])
+    assert _code_sha(a) == _code_sha(b)
+    assert _code_sha(a) != _code_sha(a.replace("fma.rn.f32", "mul.rn.f32"))
+    assert _code_sha(a) != _code_sha(a.replace("$L__tmp3:", "$L__BB0_2:"))  # a branch target is code

@@ -39,12 +39,16 @@ from .mhc_streams import StreamConfig, collapse
 
 
 @triton.jit
-def _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc, M0: tl.constexpr, WIDTH: tl.constexpr, M: tl.constexpr,
-            SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
-    """acc + x @ fn[M0:M0+WIDTH, i*C + c]^T; fn rows past M are masked to zero."""
-    offs_m = M0 + tl.arange(0, WIDTH)
+def _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_m, M: tl.constexpr):
+    """fn[offs_m, i*C + c]^T [len(c), len(offs_m)] (the hi piece when presplit), rows past M masked to zero."""
     w_mask = (offs_m < M)[None, :] & c_ok[:, None]
-    w = tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0)
+    return tl.load(FN + offs_m[None, :] * stride_fn + (i * C + c)[:, None], mask=w_mask, other=0.0), w_mask
+
+
+@triton.jit
+def _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_m, acc, M: tl.constexpr, SPLIT_BF16: tl.constexpr,
+            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, PRESPLIT: tl.constexpr):
+    """acc + x @ w, w = _fn_rows' tile: bf16 x against fn's hi and lo pieces, else FP32 x in TF32."""
     if SPLIT_BF16:
         if PRESPLIT:
             w_hi = w
@@ -64,14 +68,19 @@ def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc,
                    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, M_HI: tl.constexpr, M_LO: tl.constexpr):
     """One stream's columns c of a token block added to (acc, acc_lo, sum_sq): logits [0, M_PAD) into acc, or,
     with M_HI > 0, [0, M_HI) into acc and [M_HI, M_HI + M_LO) into acc_lo."""
+    # (x, fn's tile, then x^2: the order n = 2 / 4's build has had since 2026-11-29, PTX unchanged)
+    offs_m = tl.arange(0, M_PAD if M_HI == 0 else M_HI)
     x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+    w, w_mask = _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_m, M)
     xf = x.to(tl.float32)
     sum_sq += xf * xf
-    acc = _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc, 0, M_PAD if M_HI == 0 else M_HI, M,
-                  SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+    acc = _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_m, acc, M, SPLIT_BF16, INTERPRET, PRECISION,
+                  PRESPLIT)
     if M_HI > 0:
-        acc_lo = _fn_dot(x, xf, FN, C, i, c, c_ok, stride_fn, acc_lo, M_HI, M_LO, M,
-                         SPLIT_BF16, INTERPRET, PRECISION, PRESPLIT)
+        offs_lo = M_HI + tl.arange(0, M_LO)
+        w, w_mask = _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_lo, M)
+        acc_lo = _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_lo, acc_lo, M, SPLIT_BF16, INTERPRET,
+                         PRECISION, PRESPLIT)
     return acc, acc_lo, sum_sq
 
 
@@ -138,23 +147,25 @@ def _project_kernel(
 ):
     """Program (token block, column slice): the slice's projection and sum of squares into PART [slices, T,
     M_PAD]. Projection columns >= M are zero (fn rows masked), so column M carries sum(x^2)."""
-    M: tl.constexpr = 2 * N + N * N
+    M = 2 * N + N * N
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     c_lo = tl.program_id(1) * cols
     acc, acc_lo, sum_sq = _project(X, FN, t.to(tl.int64) * stride_xt, t_ok, C, c_lo, tl.minimum(C, c_lo + cols),
                                    stride_xi, stride_fn, N, M, M_PAD, BLOCK_T, BLOCK_C, SPLIT_BF16, INTERPRET,
                                    PRECISION, PRESPLIT, STREAM_STEPS, M_HI, M_LO)
-    row = (PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD)[:, None]
+    row = PART + (tl.program_id(1) * T + t).to(tl.int64) * M_PAD
     if M_HI == 0:
-        offs_m = tl.arange(0, M_PAD)[None, :]
-        tl.store(row + offs_m, tl.where(offs_m == M, sum_sq[:, None], acc), mask=t_ok[:, None])
+        offs_m = tl.arange(0, M_PAD)
+        tl.store(row[:, None] + offs_m[None, :], tl.where(offs_m[None, :] == M, sum_sq[:, None], acc),
+                 mask=t_ok[:, None])
     else:  # the two accumulators, then the row's tail past the logits: sum(x^2) at M, zeros after it
-        tl.store(row + tl.arange(0, M_HI)[None, :], acc, mask=t_ok[:, None])
+        tl.store(row[:, None] + tl.arange(0, M_HI)[None, :], acc, mask=t_ok[:, None])
         offs_lo = M_HI + tl.arange(0, M_LO)[None, :]
-        tl.store(row + offs_lo, acc_lo, mask=t_ok[:, None] & (offs_lo < M))
+        tl.store(row[:, None] + offs_lo, acc_lo, mask=t_ok[:, None] & (offs_lo < M))
         offs_tail = M_HI + tl.arange(0, M_PAD - M_HI)[None, :]
-        tl.store(row + offs_tail, tl.where(offs_tail == M, sum_sq[:, None], 0.0), mask=t_ok[:, None] & (offs_tail >= M))
+        tl.store(row[:, None] + offs_tail, tl.where(offs_tail == M, sum_sq[:, None], 0.0),
+                 mask=t_ok[:, None] & (offs_tail >= M))
 
 
 @triton.jit

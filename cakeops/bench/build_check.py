@@ -55,9 +55,11 @@ class Built:
 
 
 def _code_sha(ptx: str) -> str:
-    """sha256 of the PTX's instructions: without the source locations (.loc / .file, the debug sections), which
-    move when a line is added above the kernel in its file."""
-    code = [line for line in ptx.split(".section")[0].splitlines() if not line.lstrip().startswith((".loc", ".file"))]
+    """sha256 of the PTX's instructions: without the source locations (.loc / .file, the debug sections, the
+    $L__tmp labels only they refer to), which move when a line is added above the kernel in its file or the
+    kernel's helpers are split differently."""
+    code = [line for line in ptx.split(".section")[0].splitlines()
+            if not line.lstrip().startswith((".loc", ".file", "$L__tmp"))]
     return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
 
 
