@@ -254,8 +254,6 @@ def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
     if proj.stream_steps is None:
         proj = replace(proj, stream_steps=False)
-    if proj.logit_split is None:  # the layer's 2n + n^2 logits; the head has n, one accumulator of M_PAD
-        proj = replace(proj, logit_split=False)
     return proj.resolve(X)
 
 

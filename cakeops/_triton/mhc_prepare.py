@@ -263,8 +263,10 @@ class PrepareConfig:
     collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
     presplit: bool = True
     stream_steps: Optional[bool] = None  # projection: one stream's chunk per loop step (_project); None: n > 4
-    logit_split: Optional[bool] = None  # projection: n = 8's 80 logits as 64 + 16 accumulators, not one padded to
-    #                                     128 (logit_split_widths); None: where that is narrower (n = 8, stream_steps)
+    # projection: n = 8's 80 logits as 64 + 16 accumulators, not one padded to 128 (logit_split_widths). Not the
+    # default: on an H200 (triton 3.6) it ran 14 % faster (forward_prepare 0.449 -> 0.385 ms at T = 8192) but two
+    # runs of one config gave records FP32 roundings apart (docs/perf.md, 2026-12-03, second session)
+    logit_split: bool = False
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
@@ -281,7 +283,7 @@ class PrepareConfig:
         # (fp32 X at 64 columns: 255 registers and spills on sm_90, so 32)
         widest = 64 if not (wide and stream_steps and dtype == torch.float32) else 32
         block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
-        split = stream_steps and logit_split_widths(n, True)[0] > 0 if self.logit_split is None else self.logit_split
+        split = self.logit_split and logit_split_widths(n, True)[0] > 0
         if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
@@ -289,7 +291,7 @@ class PrepareConfig:
             # the slices follow the block size that runs: a given one (n = 8's layer default is 128) or the rule's;
             # n = 8's split logits on bf16 X leave room for 2 programs per SM (sm_90: 128 registers, 92 KB of
             # shared memory at 128 x 64 of 8 warps), so twice the slices (T = 8192: 4, 196 us against 2's 244)
-            per_sm = 2 if split and dtype == torch.bfloat16 and logit_split_widths(n, True)[0] > 0 else 1
+            per_sm = 2 if split and dtype == torch.bfloat16 else 1
             block_t = self.block_t or (64 if wide else 128)
             slices = max(1, min(8, per_sm * sms // cdiv(T, block_t), cdiv(C, block_c)))
             while self.block_t is None and block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
@@ -301,8 +303,8 @@ class PrepareConfig:
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
                           num_stages=3 if deep else 2, slices=slices)
         chosen["stream_steps"] = stream_steps
-        chosen["logit_split"] = split
-        return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None})
+        # logit_split as it runs: asked for at n = 2 / 4 it has nothing to split
+        return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None}, logit_split=split)
 
     @staticmethod
     def candidates(n: int = 4):
@@ -326,9 +328,11 @@ def _wide_candidates():
     tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers,
     column slices give the SMs programs to share. stream_steps: one stream's 32 / 64 columns per loop step (48 KB
     of shared memory a stage at 128 x 64, bf16)."""
-    # the layer default (128 x 64, 8 warps, 3 stages, the 80 logits as 64 + 16 accumulators, 4 / 2 slices at
-    # T = 8192 / 16384) at other depths, slices and tiles. H200 2026-12-03, forward_prepare ms at T = 8192 / 16384
-    # (logit split, 2 slices: 0.400 / -; 4: 0.386 / 0.734; the stages measured at 2 / 1 slices)
+    # the 80 logits as 64 + 16 accumulators (logit_split: faster, not deterministic on the H200, see PrepareConfig)
+    # at the layer's 128 x 64 / 8 warps and other depths, slices and tiles. H200 2026-12-03, forward_prepare ms at
+    # T = 8192 / 16384 (the rule's 4 / 2 slices: 0.386 / 0.716-0.734; 2 / 1 slices: 0.400 / -; the stages
+    # measured at 2 / 1 slices)
+    yield PrepareConfig(block_t=128, num_warps=8, logit_split=True)
     for block_t, warps, stages, slices in ((128, 8, 4, None),   # 0.411 / -, 128 KB of shared memory
                                            (128, 8, 5, None),   # 0.409 / 0.779
                                            (128, 8, 3, 4),
@@ -336,15 +340,11 @@ def _wide_candidates():
                                            (64, 4, 4, None)):   # 0.461 / 0.743, 146 registers
         yield PrepareConfig(block_t=block_t, block_c=64, num_warps=warps, num_stages=stages, slices=slices,
                             stream_steps=True, logit_split=True)
-    # 128 columns per step (sm_90: 220 registers, 184 KB at 128 x 128 of 8 warps, 240 and 152 KB at 64 x 128 of 4;
-    # one program per SM)
-    for block_t, warps in ((128, 8), (64, 4)):
-        yield PrepareConfig(block_t=block_t, block_c=128, num_warps=warps, num_stages=3, stream_steps=True,
-                            logit_split=True)
-    # one accumulator of 128 logit columns (M_PAD; the default until 2026-12-03, 162 registers, 128 KB, 1 / SM)
-    # T = 8192 / 16384 on an H200 (2026-12-02), ms; 128 x 64 / 8 warps / 3 stages 0.450 / 0.855
-    for block_t, warps, stages, block_c in ((128, 8, 3, 64),
-                                            (128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
+    # (split at 128 columns per step, 128 x 128 of 8 warps / 64 x 128 of 4, one program per SM: 0.405 / 0.443 ms at
+    # T = 8192, 0.758 / 0.840 at 16384, H200 2026-12-03; dropped)
+    # one accumulator of 128 logit columns (M_PAD; 162 registers, 128 KB, 1 / SM) at other shapes than the layer
+    # default's (128 x 64 / 8 warps / 3 stages: 0.450 / 0.855 ms at T = 8192 / 16384, H200 2026-12-02)
+    for block_t, warps, stages, block_c in ((128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
                                             (64, 4, 3, 64),     # 0.519 / 0.820, 115 KB, 2 / SM
                                             (128, 4, 3, 64)):   # 0.490 / 0.934
         yield PrepareConfig(block_t=block_t, block_c=block_c, num_warps=warps, num_stages=stages, stream_steps=True,
