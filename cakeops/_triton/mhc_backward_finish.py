@@ -130,6 +130,7 @@ class FinishConfig:
     stream_block_k: int = 16     # _dx_stream_kernel: logits per MMA step
     stream_group_t: int = 1      # _dx_stream_kernel: token blocks walked before the next column block
     stream_fn_k_major: bool = False  # _dx_stream_kernel: fn read from its transpose (FN_K_MAJOR; a workspace region)
+    stream_maxnreg: Optional[int] = None  # _dx_stream_kernel: register cap per thread
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -196,7 +197,7 @@ def _wide_candidates(n: int):
     # kernel B's register cap: none (110 registers, 4 programs of 4 warps per SM; the default until 2026-12-03:
     # 1229 against 1152 us at T = 8192), 80 (6 per SM, 144 bytes spilled: 1.705 against 1.593 ms, H200 2026-12-03)
     for maxnreg in (None, 80):
-        yield F(maxnreg=maxnreg)
+        yield F(stream_maxnreg=maxnreg)
     # (several streams per program one after another: the compiler hoists the dY and dz tiles out of the stream
     # loop, 255 registers and 2 programs per SM at 2 or 8 streams, sm_90 build 2026-12-03; not timed)
     # (64 x 32 of 4 warps, 64 x 64 of 8 and 128 x 32 of 8: 3214-3245 / 3279-3459 / 3076-3337 us against 2581 at
@@ -227,7 +228,7 @@ def _wide_candidates(n: int):
 # per SM; 158 fp32 at 32 columns; no spills; timed in docs/perf.md); the batched form's fn columns [8, 128,
 # BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64
 # columns spill). The per-stream GEMM reads fn from fn^T (stream_fn_k_major: a transposed copy in the workspace,
-# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md), capped at 96 registers (maxnreg:
+# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md), capped at 96 registers (stream_maxnreg:
 # 5 programs of 4 warps per SM instead of 4; sm_90: 16 bytes spilled bf16, 32 fp16; H200, T = 8192: 1229 -> 1152
 # us, 2026-12-03; fp32 X keeps no cap, see finish()).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
@@ -241,7 +242,7 @@ def _wide_candidates(n: int):
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
-        "maxnreg": 96,
+        "stream_maxnreg": 96,
         "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
@@ -418,7 +419,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
         # memory (sm_90 has 227 KB), 16 fit; per stream: 64 columns of three-pass TF32 spill, 32 hold 160 registers
         # (so no register cap: bf16's 96 would spill them)
-        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, maxnreg=None)
+        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
     if config is None and n > 4 and X.dtype != torch.bfloat16:
         # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
@@ -455,7 +456,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            num_warps=cfg.stream_warps, num_stages=1, **_register_cap(cfg.maxnreg),
+            num_warps=cfg.stream_warps, num_stages=1, **_register_cap(cfg.stream_maxnreg),
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
