@@ -243,11 +243,38 @@ def test_columns_form_computes_dx_and_dfn_in_one_pass(triton_kernels, gen, n, dt
         assert_close(name, g, r, grad_tol(dtype, name))
 
 
+def test_projection_shape_per_n_and_dtype(monkeypatch):
+    """On a GPU, n = 8's bf16 projection runs one stream per loop step on 128 x 128 tiles of 8 warps, never with the
+    layer's logit split (n logits); fp32 X, n = 4 and fields the caller gives keep their forms; the interpreter keeps
+    its small tiles."""
+    from types import SimpleNamespace
+
+    from cakeops._triton import mhc_prepare as P
+
+    monkeypatch.setattr(P, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
+    monkeypatch.setattr(P, "_large_shared_memory", lambda device: True)
+
+    def resolved(n, dtype, cuda=True, config=K.GatedHeadConfig()):
+        X = SimpleNamespace(shape=(8192, n, 4096), dtype=dtype, is_cuda=cuda,
+                            device=torch.device("cuda" if cuda else "cpu"))
+        return K._projection(config, X)
+
+    wide = resolved(8, torch.bfloat16)
+    assert (wide.stream_steps, wide.block_t, wide.block_c, wide.num_warps, wide.num_stages) == (True, 128, 128, 8, 3)
+    assert not wide.logit_split and wide.maxnreg is None
+    for n, other in ((8, resolved(8, torch.float32)), (4, resolved(4, torch.bfloat16)),
+                     (8, resolved(8, torch.bfloat16, cuda=False)),
+                     (8, resolved(8, torch.bfloat16, config=K.GatedHeadConfig(projection=PrepareConfig(stream_steps=False))))):
+        assert not other.stream_steps and other.block_c == 256 // n and not other.logit_split
+    given = resolved(8, torch.bfloat16, config=K.GatedHeadConfig(projection=PrepareConfig(block_c=64, num_stages=4)))
+    assert (given.stream_steps, given.block_t, given.block_c, given.num_stages) == (True, 128, 64, 4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_projection_one_stream_per_step_matches_fp64(triton_kernels, gen, dtype):
-    """The forward's projection one stream per loop step (a faster form at n = 8 on an H200, not the default) and
-    all n streams per step (the default): both against fp64 and FP32 rounding apart from each other; column
-    slices with a partial last one, token blocks with a tail."""
+    """The forward's projection one stream per loop step (n = 8's default for bf16 X on a GPU) and all n streams
+    per step (every other default): both against fp64 and FP32 rounding apart from each other; column slices with a
+    partial last one, token blocks with a tail."""
     case = Case(gen, 37, 8, 40, dtype)
     X, (fn, scale, base) = case.X, (p.float() for p in case.params)
     Y_ref, stats_ref = case.ref_forward()

@@ -438,24 +438,28 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
         assert any(la.x_rows for la in launches) and any(not la.x_rows for la in launches)
 
 
-def test_n8_projection_split_logits_are_opt_in_and_fill_two_programs_per_sm(monkeypatch):
-    """n = 8's layer default keeps one accumulator of 128 logit columns (the split was not deterministic on the
-    H200); asked for, the 80 logits as 64 + 16 take twice the column slices for bf16 X (2 programs per SM), once
-    for fp32 (TF32 tiles: 1 per SM); n = 2 / 4 have nothing to split."""
+def test_n8_projection_splits_logits_for_bf16_and_fills_two_programs_per_sm(monkeypatch):
+    """n = 8's layer default on bf16 X: the 80 logits as 64 + 16 accumulators, twice the column slices (2 programs per
+    SM, held to 128 registers each); fp16 / fp32 X keep one accumulator of 128 logit columns unless asked (TF32
+    tiles: 1 program per SM, no cap); logit_split=False keeps it for bf16; n = 2 / 4 have nothing to split."""
     from cakeops._triton import mhc_prepare as P
 
     monkeypatch.setattr(P, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
     monkeypatch.setattr(P, "_large_shared_memory", lambda device: True)
     cuda = torch.device("cuda")
     default = P.layer_config(None, 8, True)
-    assert not default.resolve_for(8192, 4096, cuda, True, n=8).logit_split
-    split = replace(default, logit_split=True)
-    got = {(T, dtype): split.resolve_for(T, 4096, cuda, True, n=8, dtype=dtype)
-           for T in (8192, 16384) for dtype in (torch.bfloat16, torch.float32)}
-    assert all(r.logit_split and r.stream_steps for r in got.values())
-    assert [got[(T, torch.bfloat16)].slices for T in (8192, 16384)] == [4, 2]
-    assert [got[(T, torch.float32)].slices for T in (8192, 16384)] == [2, 1]
-    assert [default.resolve_for(T, 4096, cuda, True, n=8).slices for T in (8192, 16384)] == [2, 1]
+    got = {(T, dtype): default.resolve_for(T, 4096, cuda, True, n=8, dtype=dtype)
+           for T in (8192, 16384) for dtype in (torch.bfloat16, torch.float16, torch.float32)}
+    assert all(r.stream_steps for r in got.values())
+    bf16 = [got[(T, torch.bfloat16)] for T in (8192, 16384)]
+    assert all(r.logit_split and r.maxnreg == 128 for r in bf16) and [r.slices for r in bf16] == [4, 2]
+    for dtype in (torch.float16, torch.float32):
+        assert not any(got[(T, dtype)].logit_split or got[(T, dtype)].maxnreg for T in (8192, 16384))
+    asked = replace(default, logit_split=True).resolve_for(8192, 4096, cuda, True, n=8, dtype=torch.float32)
+    assert asked.logit_split and asked.slices == 2 and asked.maxnreg is None
+    one = replace(default, logit_split=False)
+    assert [one.resolve_for(T, 4096, cuda, True, n=8).slices for T in (8192, 16384)] == [2, 1]
+    assert not one.resolve_for(8192, 4096, cuda, True, n=8).logit_split
     for n in (2, 4):
         assert P.logit_split_widths(n, True) == (0, 16)
         assert not P.PrepareConfig(logit_split=True).resolve_for(8192, 4096, cuda, True, n=n).logit_split

@@ -47,3 +47,9 @@ def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) 
     else:
         width = 4 if _backend.interpreting() else 1
     return max(1, min(work_items, width))
+
+
+def register_cap(maxnreg) -> dict:
+    """Launch options for a register cap per thread (none for None): a compile option of the CUDA backend; the
+    interpreter has no registers to cap."""
+    return {} if maxnreg is None or _backend.interpreting() else {"maxnreg": maxnreg}

@@ -36,7 +36,7 @@ from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
-from .launch import cdiv, next_power_of_2, persistent_programs
+from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
@@ -371,11 +371,6 @@ def _stages(stages: Optional[int]) -> dict:
     return {} if stages is None else {"num_stages": stages}
 
 
-def _register_cap(maxnreg: Optional[int]) -> dict:
-    # a compile option of the CUDA backend; the interpreter has no registers to cap
-    return {} if maxnreg is None or interpreting() else {"maxnreg": maxnreg}
-
-
 def _zero_unless_accumulate(grads, accumulate: bool) -> None:
     """Zeroes the parameter gradients ``grads`` unless ``accumulate`` (then what they hold is added to)."""
     if not accumulate:
@@ -456,13 +451,13 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            num_warps=cfg.stream_warps, num_stages=1, **_register_cap(cfg.stream_maxnreg),
+            num_warps=cfg.stream_warps, num_stages=1, **register_cap(cfg.stream_maxnreg),
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, dU, fn, stats, dz, dX, T, C, plan.dx.blocks_per_split, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **_register_cap(cfg.maxnreg),
+            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **register_cap(cfg.maxnreg),
         )
     split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
     dz_c, dz_lo = dz, dz

@@ -51,9 +51,9 @@ from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
 from .._workspace import fp32_scratch, fp32_scratch_numel
-from .launch import cdiv, next_power_of_2, persistent_programs
+from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
-from .mhc_backward_finish import _precision, _register_cap, _split, _stages, _zero_unless_accumulate
+from .mhc_backward_finish import _precision, _split, _stages, _zero_unless_accumulate
 from .mhc_math import sigmoid
 from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
 from .mhc_streams import StreamConfig, collapse
@@ -244,12 +244,20 @@ class GatedHeadConfig:
         yield G(dfn="separate", dx_maxnreg=128, dx_per_sm=4)
 
 
+# bf16 X at n = 8: one stream per projection loop step on 128 x 128 tiles of 8 warps (H200, 2026-12-03: the forward
+# 0.393 -> 0.290 ms at T = 8192, 0.732 -> 0.556 at 16384; 4 stages 0.285 / -), where a step of all 8 streams fits
+# only 32 columns. fp16 / fp32 X and n = 2 / 4 keep all n streams a step (their tiles: FP32 in registers).
+WIDE_BF16_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
+
+
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
-    """The projection's resolved launch shape: ``project_cols // n`` columns per chunk unless given; all n streams
-    in a loop step unless ``stream_steps`` is given (one stream per step on 128 x 128 tiles was 27 % faster at
-    n = 8 on an H200 but not the default: docs/perf.md, 2026-12-03 second session)."""
+    """The projection's resolved launch shape: the fields ``cfg.projection`` leaves None from WIDE_BF16_PROJECTION
+    (bf16 X on a GPU, n > 4; the interpreter wants small tiles) or else ``project_cols // n`` columns per chunk,
+    all n streams a loop step; n logits, so one accumulator (logit_split has nothing to split)."""
     T, n, C = X.shape
-    proj = cfg.projection
+    proj = replace(cfg.projection, logit_split=False)
+    if n > 4 and X.is_cuda and X.dtype == torch.bfloat16 and proj.stream_steps is not False:
+        proj = replace(proj, **{k: v for k, v in WIDE_BF16_PROJECTION.items() if getattr(proj, k) is None})
     if proj.block_c is None:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
     if proj.stream_steps is None:
@@ -283,6 +291,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         N=n, M_PAD=M_PAD, BLOCK_T=proj.block_t, BLOCK_C=proj.block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         STREAM_STEPS=proj.stream_steps, num_warps=proj.num_warps, **_stages(proj.num_stages),
+        **register_cap(proj.maxnreg),
     )
     fast(_head_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps),
@@ -592,7 +601,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
             X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **_stages(cfg.dx_stages),
-            **_register_cap(cfg.dx_maxnreg),
+            **register_cap(cfg.dx_maxnreg),
         )
     if cfg.dfn == "separate":
         fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](

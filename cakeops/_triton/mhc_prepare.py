@@ -33,7 +33,7 @@ from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, logits_pad
 from .._backend import interpreting
-from .launch import cdiv, next_power_of_2, persistent_programs
+from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
 from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
 
@@ -67,21 +67,38 @@ def _project_chunk(X, FN, t_off, t_ok, C, i, c, c_ok, stride_xi, stride_fn, acc,
                    M: tl.constexpr, M_PAD: tl.constexpr, SPLIT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
                    PRECISION: tl.constexpr, PRESPLIT: tl.constexpr, M_HI: tl.constexpr, M_LO: tl.constexpr):
     """One stream's columns c of a token block added to (acc, acc_lo, sum_sq): logits [0, M_PAD) into acc, or,
-    with M_HI > 0, [0, M_HI) into acc and [M_HI, M_HI + M_LO) into acc_lo."""
-    # (x, fn's tile, then x^2: the order n = 2 / 4's build has had since 2026-11-29, PTX unchanged)
+    with M_HI > 0, [0, M_HI) into acc and [M_HI, M_HI + M_LO) into acc_lo (that one first: acc's MMA is the
+    last, the one _await_mma waits for)."""
+    # (x, fn's tile, then x^2: the order n = 2 / 4's build has had since 2026-11-29)
     offs_m = tl.arange(0, M_PAD if M_HI == 0 else M_HI)
     x = tl.load(X + t_off[:, None] + i * stride_xi + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
     w, w_mask = _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_m, M)
     xf = x.to(tl.float32)
     sum_sq += xf * xf
-    acc = _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_m, acc, M, SPLIT_BF16, INTERPRET, PRECISION,
-                  PRESPLIT)
     if M_HI > 0:
         offs_lo = M_HI + tl.arange(0, M_LO)
-        w, w_mask = _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_lo, M)
-        acc_lo = _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_lo, acc_lo, M, SPLIT_BF16, INTERPRET,
+        w_lo, w_lo_mask = _fn_rows(FN, C, i, c, c_ok, stride_fn, offs_lo, M)
+        acc_lo = _fn_dot(x, xf, w_lo, w_lo_mask, FN, C, i, c, stride_fn, offs_lo, acc_lo, M, SPLIT_BF16, INTERPRET,
                          PRECISION, PRESPLIT)
+    acc = _fn_dot(x, xf, w, w_mask, FN, C, i, c, stride_fn, offs_m, acc, M, SPLIT_BF16, INTERPRET, PRECISION,
+                  PRESPLIT)
     return acc, acc_lo, sum_sq
+
+
+@triton.jit
+def _await_mma(acc, SPLIT_BF16: tl.constexpr):
+    """acc read in registers at the end of a loop step, so that Triton waits for the step's last MMA inside it.
+
+    bf16 x goes to the tensor cores from the shared-memory buffer its copy filled, and x^2 reads that buffer in
+    registers too, so triton 3.6 gives x one buffer fewer than the stages (fn's tiles, read by the MMA alone, get
+    one per stage) yet leaves the step's last MMA in flight across the loop edge, while the copy of a later x
+    tile refills the buffer it reads: a race (sm_90 builds of every bf16 projection, 2026-12-03; on the H200 the
+    64 + 16 logit split gave records a few roundings apart from run to run). With the wait, nothing reads a
+    buffer when it is refilled (tests/test_build_races.py checks the builds). + 0.0 changes no value but -0's
+    sign, which no sum sees. fp16 / fp32 x reach the MMA through registers (FP32, TF32): nothing to wait for."""
+    if SPLIT_BF16:
+        acc = acc + 0.0
+    return acc
 
 
 @triton.jit
@@ -117,6 +134,7 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
             acc, acc_lo, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn, acc,
                                                  acc_lo, sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET, PRECISION,
                                                  PRESPLIT, M_HI, M_LO)
+            acc = _await_mma(acc, SPLIT_BF16)
     else:
         for c0 in range(c_lo, c_hi, BLOCK_C):
             c = c0 + offs_c
@@ -124,6 +142,7 @@ def _project(X, FN, t_off, t_ok, C, c_lo, c_hi, stride_xi, stride_fn,
                 acc, acc_lo, sum_sq = _project_chunk(X, FN, t_off, t_ok, C, i, c, c < c_hi, stride_xi, stride_fn,
                                                      acc, acc_lo, sum_sq, M, M_PAD, SPLIT_BF16, INTERPRET,
                                                      PRECISION, PRESPLIT, M_HI, M_LO)
+            acc = _await_mma(acc, SPLIT_BF16)
     return acc, acc_lo, tl.sum(sum_sq, axis=1)
 
 
@@ -263,10 +282,11 @@ class PrepareConfig:
     collapse_block_c: Optional[int] = None  # the collapse U: columns per program (mhc_streams.StreamConfig)
     presplit: bool = True
     stream_steps: Optional[bool] = None  # projection: one stream's chunk per loop step (_project); None: n > 4
-    # projection: n = 8's 80 logits as 64 + 16 accumulators, not one padded to 128 (logit_split_widths). Not the
-    # default: on an H200 (triton 3.6) it ran 14 % faster (forward_prepare 0.449 -> 0.385 ms at T = 8192) but two
-    # runs of one config gave records FP32 roundings apart (docs/perf.md, 2026-12-03, second session)
-    logit_split: bool = False
+    # projection: n = 8's 80 logits as 64 + 16 accumulators, not one padded to 128 (logit_split_widths); None: for
+    # bf16 X (H200, 2026-12-03: forward_prepare 0.458 -> 0.404 ms at T = 8192, 0.867 -> 0.766 at 16384; bitwise
+    # the same record run after run since _await_mma; fp16 / fp32 X not measured with it: one accumulator)
+    logit_split: Optional[bool] = None
+    maxnreg: Optional[int] = None      # projection: registers per thread (None: 128 for bf16 x with the split)
 
     def resolve(self, X: torch.Tensor) -> "PrepareConfig":
         """This config with every None replaced by the default for X's shape and device."""
@@ -283,7 +303,8 @@ class PrepareConfig:
         # (fp32 X at 64 columns: 255 registers and spills on sm_90, so 32)
         widest = 64 if not (wide and stream_steps and dtype == torch.float32) else 32
         block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
-        split = self.logit_split and logit_split_widths(n, True)[0] > 0
+        asked = dtype == torch.bfloat16 if self.logit_split is None else self.logit_split
+        split = asked and logit_split_widths(n, True)[0] > 0
         if not (device.type == "cuda" if cuda is None else cuda):
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
@@ -300,8 +321,10 @@ class PrepareConfig:
             # 336 KB (n = 4) / 280 KB (n = 8) of shared memory, sm_90 has 227 KB; 2 fit
             # and a GPU with less than sm_90's shared memory (A100: 163 KB) takes 2 stages for every dtype
             deep = dtype == torch.bfloat16 and (block_t >= 128 or wide) and _large_shared_memory(device)
+            # the split's 2 programs per SM at 8 warps need <= 128 registers: its build takes 126 capped, 152
+            # without (sm_90, triton 3.6: _await_mma's wait keeps acc live across the step's last MMA), no spills
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
-                          num_stages=3 if deep else 2, slices=slices)
+                          num_stages=3 if deep else 2, slices=slices, maxnreg=128 if per_sm == 2 else None)
         chosen["stream_steps"] = stream_steps
         # logit_split as it runs: asked for at n = 2 / 4 it has nothing to split
         return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None}, logit_split=split)
@@ -328,11 +351,10 @@ def _wide_candidates():
     tokens: 128- and 256-token blocks halve / quarter that; presplit=False stages fp32 fn through registers,
     column slices give the SMs programs to share. stream_steps: one stream's 32 / 64 columns per loop step (48 KB
     of shared memory a stage at 128 x 64, bf16)."""
-    # the 80 logits as 64 + 16 accumulators (logit_split: faster, not deterministic on the H200, see PrepareConfig)
-    # at the layer's 128 x 64 / 8 warps and other depths, slices and tiles. H200 2026-12-03, forward_prepare ms at
-    # T = 8192 / 16384 (the rule's 4 / 2 slices: 0.386 / 0.716-0.734; 2 / 1 slices: 0.400 / -; the stages
-    # measured at 2 / 1 slices)
-    yield PrepareConfig(block_t=128, num_warps=8, logit_split=True)
+    # the 80 logits as 64 + 16 accumulators (logit_split, the default for bf16 X: 128 x 64 / 8 warps / 3 stages, the
+    # rule's 4 / 2 slices) at other depths, slices and tiles. H200 2026-12-03, forward_prepare ms at T = 8192 /
+    # 16384 (the default 0.386 / 0.716-0.734 before _await_mma, 0.404 / 0.766 with it; 2 / 1 slices: 0.400 / -;
+    # the stages measured at 2 / 1 slices, before _await_mma; 64 x 64 / 4 warps / 4 stages with it: 0.402 / -)
     for block_t, warps, stages, slices in ((128, 8, 4, None),   # 0.411 / -, 128 KB of shared memory
                                            (128, 8, 5, None),   # 0.409 / 0.779
                                            (128, 8, 3, 4),
@@ -342,8 +364,10 @@ def _wide_candidates():
                             stream_steps=True, logit_split=True)
     # (split at 128 columns per step, 128 x 128 of 8 warps / 64 x 128 of 4, one program per SM: 0.405 / 0.443 ms at
     # T = 8192, 0.758 / 0.840 at 16384, H200 2026-12-03; dropped)
-    # one accumulator of 128 logit columns (M_PAD; 162 registers, 128 KB, 1 / SM) at other shapes than the layer
-    # default's (128 x 64 / 8 warps / 3 stages: 0.450 / 0.855 ms at T = 8192 / 16384, H200 2026-12-02)
+    # one accumulator of 128 logit columns (M_PAD; 162 registers, 128 KB, 1 / SM): the default until 2026-12-03
+    # (128 x 64 / 8 warps / 3 stages: 0.450 / 0.855 ms at T = 8192 / 16384, 0.458 / 0.867 with _await_mma), and at
+    # other shapes
+    yield PrepareConfig(block_t=128, num_warps=8, logit_split=False)
     for block_t, warps, stages, block_c in ((128, 8, 4, 64),    # 0.448 / 0.851, 180 KB of shared memory
                                             (64, 4, 3, 64),     # 0.519 / 0.820, 115 KB, 2 / SM
                                             (128, 4, 3, 64)):   # 0.490 / 0.934
@@ -353,7 +377,8 @@ def _wide_candidates():
     # stages: 0.644 / 1.377; dropped from the sweep on 2026-12-03)
     # all 8 streams per loop step (the default until 2026-12-02: 128 x 16, 8 warps, 2 stages, 2 slices: 0.661 at
     # T = 8192; the others 0.717-1.480; 128 x 16 / 3 stages / fn split per tile, 2026-12-03: 0.720)
-    yield PrepareConfig(block_t=128, block_c=16, num_warps=8, num_stages=2, slices=2, stream_steps=False)
+    yield PrepareConfig(block_t=128, block_c=16, num_warps=8, num_stages=2, slices=2, stream_steps=False,
+                        logit_split=False)
     # (the 80 logits as 64 + 16 at all 8 streams per step, 16 columns: 1.705 / 2.604 ms against 1.256, H200
     # 2026-12-01; one stream per step, 64 columns, they are the default since 2026-12-03)
 
@@ -363,7 +388,8 @@ def _wide_candidates():
 # (stream_steps, resolve's choice at n > 4), 3 stages. H200, bf16, C = 4096 (python -m cakeops.bench.tune --ops
 # prepare --n 8, 2026-12-02): forward_prepare at T = 8192 0.642 -> 0.450 ms (the projection 456 -> 263 us; all 8
 # streams per step at 16 columns before), at T = 16384 1.310 -> 0.855 (64-token blocks of 4 warps 0.820, 3 %
-# apart; the 128-token blocks win by 13 % at T = 8192, the equal-bytes row). 2 stages: 0.644 / 1.377.
+# apart; the 128-token blocks win by 13 % at T = 8192, the equal-bytes row). 2 stages: 0.644 / 1.377. With the
+# logits split 64 + 16 (resolve's choice for bf16 X) 0.404 / 0.766 ms (2026-12-03).
 LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8)}  # the stages: resolve's (3 for bf16 on sm_90)
 
 
@@ -456,6 +482,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
+        **register_cap(cfg.maxnreg),
     )
     fast(_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),

@@ -9,12 +9,16 @@ compiled kernel asks for (``metadata.shared``, checked against the limit of the 
 166912 on sm_80) and, from the bundled ptxas (``-v`` on the kernel's PTX), registers per thread, spill bytes
 and the programs per SM that registers / shared memory allow.
 
+Each build is also checked for a race of Triton's software pipeline (``pipeline_races``): a shared-memory buffer
+refilled by an asynchronous copy while a wgmma (sm_90's asynchronous MMA) that reads it may still be running;
+triton 3.6 built the bf16 projections so until 2026-12-03 (mhc_prepare._await_mma).
+
 ``--config`` is a Python expression for the launchers' ``GatedHeadConfig`` (e.g.
 ``"GatedHeadConfig(dfn='separate')"``); ``--all-candidates`` checks the default and every candidate.
 ``--op mhc --candidates prepare,backward_prepare,backward_finish --n 8``: every config ``python -m
 cakeops.bench.tune --n 8`` sweeps for those ops, each compiling its op's kernels. ``--sha``: each kernel's PTX
 hash (a change meant to leave some builds alone compares them before / after).
-Exit status 1 when a kernel does not fit. Run with TRITON_INTERPRET unset: under the interpreter ``triton.jit``
+Exit status 1 when a kernel does not fit or races. Run with TRITON_INTERPRET unset: under the interpreter ``triton.jit``
 gives no compilable kernels (tests/test_mhc_gated_head.py runs this in a subprocess without it).
 """
 import argparse
@@ -44,6 +48,8 @@ class Built:
     spill: Optional[int]
     grid: tuple
     ptx_sha: str = ""  # sha256 of the PTX's code: an unchanged kernel is the same build
+    races: tuple = ()  # pipeline_races of the build
+    async_mma: bool = False  # the build has a wgmma that runs on while the warp goes on (what races need)
 
     def per_sm(self, sm: int) -> int:
         threads = 32 * self.num_warps
@@ -61,6 +67,38 @@ def _code_sha(ptx: str) -> str:
     code = [line for line in ptx.split(".section")[0].splitlines()
             if not line.lstrip().startswith((".loc", ".file", "$L__tmp"))]
     return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
+_SSA = r"%[\w.#]+"
+
+
+def pipeline_races(ttgir: str, stages: int) -> List[str]:
+    """Shared-memory buffers of a pipelined loop that an async copy refills while an asynchronous wgmma issued
+    earlier in the same loop step, with no wait for all of them since, still reads them, where the buffer has fewer
+    slots than ``stages`` (so the slot refilled is the one the step reads: Triton gives a load one slot per stage
+    only when the MMA alone reads it). An empty list: no such buffer. Reads Triton's TTGIR (3.6's op names)."""
+    slots = {m.group(1): int(m.group(2)) for m in
+             re.finditer(rf"({_SSA}) = ttg\.local_alloc[^\n]*?!ttg\.memdesc<(\d+)x", ttgir)}
+    buffer_of = {m.group(1): m.group(2) for m in re.finditer(rf"({_SSA}) = ttg\.memdesc_index ({_SSA})\[", ttgir)}
+    found = []
+    for body in re.split(r"scf\.for ", ttgir)[1:]:
+        body = body.split("scf.yield")[0]
+        read_by_pending = set()
+        for m in re.finditer(r"(ttng\.warp_group_dot_wait|ttng\.warp_group_dot|ttg\.async_copy_global_to_local) "
+                             r"([^{:]*)(\{[^}]*\})?", body):
+            op, operands, attrs = m.group(1), [o.strip().split(" ")[0] for o in m.group(2).split(",")], m.group(3) or ""
+            if op == "ttng.warp_group_dot_wait":
+                if "pendings = 0" in attrs:
+                    read_by_pending.clear()
+            elif op == "ttng.warp_group_dot":
+                if "isAsync = true" in attrs:
+                    read_by_pending.update(buffer_of.get(o) for o in operands[:2])
+            elif len(operands) > 1:
+                buffer = buffer_of.get(operands[1])
+                if buffer in read_by_pending and slots.get(buffer, stages) < stages:
+                    found.append(f"{buffer} ({slots[buffer]} slots, {stages} stages) refilled while an asynchronous "
+                                 f"wgmma still reads it")
+    return found
 
 
 def _ptxas_usage(ptx: str, sm: int):
@@ -191,9 +229,11 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
         compiled = triton.compile(ASTSource(source, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
         regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
+        ttgir = compiled.asm.get("ttgir", "")
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
                            regs, spill, tuple(grid) if not callable(grid) else (),
-                           _code_sha(compiled.asm["ptx"])))
+                           _code_sha(compiled.asm["ptx"]), tuple(pipeline_races(ttgir, options.num_stages)),
+                           "isAsync = true" in ttgir))
     return built
 
 
@@ -260,7 +300,7 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
           deterministic: bool = True, out=print, kernels=None, launches=None, sha: bool = False) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
-    True when all fit the target's shared memory."""
+    True when all fit the target's shared memory and none has a pipeline race (``pipeline_races``)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -273,12 +313,13 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
             call = (launches or gated_head_launches)(T, n, C, dtype, cfg, deterministic)
             for b in compile_launches(call, sm, sms, kernels):
                 fits = b.shared <= limit
-                ok &= fits
+                ok &= fits and not b.races
                 shape = " ".join(f"{k}={v}" for k, v in b.constexprs.items()
                                  if k.startswith(("BLOCK", "N", "DFN", "FUSED", "PRESPLIT", "X_PER")))
                 out(f"T={T:<6d} n={n} C={C:<5d} {b.kernel:22s} warps={b.num_warps} stages={b.num_stages} "
                     f"smem={b.shared:7d} {'ok ' if fits else 'TOO BIG'} regs={b.regs} spill={b.spill} "
-                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}" + (f"  ptx={b.ptx_sha}" if sha else ""))
+                    f"per_sm={b.per_sm(sm)} grid={b.grid}  {shape}" + (f"  ptx={b.ptx_sha}" if sha else "")
+                    + "".join(f"\n    RACE: {r}" for r in b.races))
     return ok
 
 
@@ -344,7 +385,8 @@ def main(argv=None) -> int:
         return 0 if ok else 1
     ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels,
                launches=mhc_layer_launches if args.op == "mhc" else None, sha=args.sha)
-    print("all kernels fit" if ok else "SOME KERNELS DO NOT FIT the shared memory of sm_%d" % args.sm)
+    print("all kernels fit, no pipeline races" if ok else
+          "SOME KERNELS DO NOT FIT the shared memory of sm_%d or race (RACE lines)" % args.sm)
     return 0 if ok else 1
 
 
