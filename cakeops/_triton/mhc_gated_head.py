@@ -130,7 +130,8 @@ class GatedHeadConfig:
     multiprocessors) with ``project_cols // n`` columns per stream and chunk when ``projection.block_c`` is None:
     a chunk loads all n streams, so the pipeline's shared memory is (stages - 1) * n * block_c * (2 block_t +
     4 M_PAD) bytes plus 16 KiB: 180224 at every n on sm_90 (the 232448 limit) and 163840 on sm_80 (166912);
-    n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check).
+    n = 8 at 64 columns asked for 360448 (python -m cakeops.bench.build_check). bf16 X at n = 8 on a GPU: one
+    stream per loop step on 128 x 128 tiles instead (WIDE_BF16_PROJECTION, 27 % faster on an H200).
 
     Backward: the dgate pass, then per-token dlogits, then dX and dfn in one FMA pass (``dfn="columns"``,
     ``columns_*``: n * ``columns_elems`` columns per program, ``columns_shape(n)`` its steps), or dX through
