@@ -43,6 +43,10 @@ def test_no_kernel_refills_a_buffer_an_asynchronous_mma_reads(tmp_path):
             for n in (2, 4, 8):
                 for b in bc.compile_launches(launches(8192, n, 1024, torch.bfloat16)):
                     asynchronous += b.async_mma
+                    if b.kernel.endswith("project_kernel"):
+                        k = b.constexprs
+                        print("shape", launches.__name__, n, k["BLOCK_T"], k["BLOCK_C"], k.get("STREAM_STEPS"),
+                              k.get("M_HI", 0))
                     for race in b.races:
                         ok = False
                         print(f"{launches.__name__} n={n} {b.kernel}: {race}")
@@ -52,6 +56,10 @@ def test_no_kernel_refills_a_buffer_an_asynchronous_mma_reads(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     # the check has something to look at: the projections' MMAs run asynchronously (every n, layer and head)
     assert int(out.stdout.rsplit(":", 1)[1]) >= 6, out.stdout
+    # at the shapes a GPU runs: n = 8's layer on split logits, its head one stream a step on 128 x 128 tiles
+    shapes = {tuple(line.split()[1:3]): line.split()[3:] for line in out.stdout.splitlines() if line.startswith("shape")}
+    assert shapes[("mhc_layer_launches", "8")] == ["128", "64", "True", "64"], shapes
+    assert shapes[("gated_head_launches", "8")] == ["128", "128", "True", "0"], shapes
 
 
 @needs_ptxas

@@ -251,19 +251,25 @@ class GatedHeadConfig:
 WIDE_BF16_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
 
 
-def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
-    """The projection's resolved launch shape: the fields ``cfg.projection`` leaves None from WIDE_BF16_PROJECTION
-    (bf16 X on a GPU, n > 4; the interpreter wants small tiles) or else ``project_cols // n`` columns per chunk,
-    all n streams a loop step; n logits, so one accumulator (logit_split has nothing to split)."""
-    T, n, C = X.shape
+def projection_config(cfg: GatedHeadConfig, n: int, C: int, dtype: torch.dtype, cuda: bool) -> PrepareConfig:
+    """The projection's launch shape before ``resolve``: the fields ``cfg.projection`` leaves None from
+    WIDE_BF16_PROJECTION (bf16 X on a GPU, n > 4; the interpreter wants small tiles) or else ``project_cols // n``
+    columns per chunk, all n streams a loop step; n logits, so one accumulator (logit_split has nothing to split).
+    (build_check compiles for a GPU from meta tensors: it calls this with cuda=True.)"""
     proj = replace(cfg.projection, logit_split=False)
-    if n > 4 and X.is_cuda and X.dtype == torch.bfloat16 and proj.stream_steps is not False:
+    if n > 4 and cuda and dtype == torch.bfloat16 and proj.stream_steps is not False:
         proj = replace(proj, **{k: v for k, v in WIDE_BF16_PROJECTION.items() if getattr(proj, k) is None})
     if proj.block_c is None:
         proj = replace(proj, block_c=max(16, min(cfg.project_cols // n, next_power_of_2(C))))
     if proj.stream_steps is None:
         proj = replace(proj, stream_steps=False)
-    return proj.resolve(X)
+    return proj
+
+
+def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
+    """The projection's resolved launch shape for X."""
+    T, n, C = X.shape
+    return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(X)
 
 
 def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,

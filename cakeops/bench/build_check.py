@@ -126,7 +126,7 @@ def _ptxas_usage(ptx: str, sm: int):
 def _as_gpu(sms: int):
     """Launchers on meta tensors size their grids for a GPU of ``sms`` multiprocessors and pick its configs."""
     import torch
-    from .._triton import launch, mhc_prepare
+    from .._triton import launch, mhc_gated_head, mhc_prepare
 
     def persistent_programs(device, work_items, per_sm=2):
         return max(1, min(work_items, sms * per_sm))
@@ -137,13 +137,16 @@ def _as_gpu(sms: int):
             patched.append((mod, "persistent_programs", mod.persistent_programs))
             mod.persistent_programs = persistent_programs
     resolve, layer_config = mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config
+    head_projection = mhc_gated_head.projection_config
     mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(
         X.shape[0], X.shape[2], torch.device("meta"), True, n=X.shape[1], dtype=X.dtype)
     mhc_prepare.layer_config = lambda config, n, cuda: layer_config(config, n, True)
+    mhc_gated_head.projection_config = lambda cfg, n, C, dtype, cuda: head_projection(cfg, n, C, dtype, True)
     try:
         yield
     finally:
         mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config = resolve, layer_config
+        mhc_gated_head.projection_config = head_projection
         for mod, attr, value in patched:
             setattr(mod, attr, value)
 
