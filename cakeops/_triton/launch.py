@@ -49,6 +49,11 @@ def persistent_programs(device: torch.device, work_items: int, per_sm: int = 2) 
     return max(1, min(work_items, width))
 
 
+def pipeline_stages(stages) -> dict:
+    """Launch options for a software-pipeline depth (none for None: Triton's default)."""
+    return {} if stages is None else {"num_stages": stages}
+
+
 def register_cap(maxnreg) -> dict:
     """Launch options for a register cap per thread (none for None): a compile option of the CUDA backend; the
     interpreter has no registers to cap."""

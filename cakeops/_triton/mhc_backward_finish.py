@@ -36,7 +36,7 @@ from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
-from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
+from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
@@ -367,10 +367,6 @@ def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, de
                                                      _fn_t_numel(cfg, n, C), _dz_pieces_numel(cfg, T, n)))
 
 
-def _stages(stages: Optional[int]) -> dict:
-    return {} if stages is None else {"num_stages": stages}
-
-
 def _zero_unless_accumulate(grads, accumulate: bool) -> None:
     """Zeroes the parameter gradients ``grads`` unless ``accumulate`` (then what they hold is added to)."""
     if not accumulate:
@@ -457,7 +453,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, dU, fn, stats, dz, dX, T, C, plan.dx.blocks_per_split, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **_stages(cfg.stages), **register_cap(cfg.maxnreg),
+            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages), **register_cap(cfg.maxnreg),
         )
     split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
     dz_c, dz_lo = dz, dz
@@ -472,7 +468,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
         N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
         SPLIT_BF16=split_bf16, INTERPRET=interpreting(), PRESPLIT=split_bf16 and cfg.dfn_presplit,
-        num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+        num_warps=cfg.dfn_warps, **pipeline_stages(cfg.dfn_stages),
     )
     if not atomic:
         width = M * n * C

@@ -39,6 +39,7 @@ Record layout: meta/mhc_head_layout.py. FP32 inside, IEEE division and square ro
 once. Any n in meta/mhc_head_layout.SUPPORTED_N (N constexpr). Launchers do no argument validation (the public
 layer does); X is [T, n, C] with unit stride along C and any token / stream strides.
 """
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
@@ -51,9 +52,9 @@ from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
 from .._backend import interpreting
 from .._workspace import fp32_scratch, fp32_scratch_numel
-from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
+from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
-from .mhc_backward_finish import _precision, _split, _stages, _zero_unless_accumulate
+from .mhc_backward_finish import _precision, _split, _zero_unless_accumulate
 from .mhc_math import sigmoid
 from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
 from .mhc_streams import StreamConfig, collapse
@@ -251,6 +252,7 @@ class GatedHeadConfig:
 WIDE_BF16_PROJECTION = dict(block_t=128, num_warps=8, block_c=128, stream_steps=True)
 
 
+@functools.lru_cache(maxsize=64)  # per forward call, on the host path; the configs are frozen (hashable)
 def projection_config(cfg: GatedHeadConfig, n: int, C: int, dtype: torch.dtype, cuda: bool) -> PrepareConfig:
     """The projection's launch shape before ``resolve``: the fields ``cfg.projection`` leaves None from
     WIDE_BF16_PROJECTION (bf16 X on a GPU, n > 4; the interpreter wants small tiles) or else ``project_cols // n``
@@ -297,7 +299,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
         N=n, M_PAD=M_PAD, BLOCK_T=proj.block_t, BLOCK_C=proj.block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
         INTERPRET=interpreting(), PRESPLIT=presplit, PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        STREAM_STEPS=proj.stream_steps, num_warps=proj.num_warps, **_stages(proj.num_stages),
+        STREAM_STEPS=proj.stream_steps, num_warps=proj.num_warps, **pipeline_stages(proj.num_stages),
         **register_cap(proj.maxnreg),
     )
     fast(_head_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
@@ -600,21 +602,21 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=plan.dx.block_c, PREFETCH=prefetch,
-            num_warps=cfg.columns_warps, **_stages(cfg.columns_stages),
+            num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **_stages(cfg.dx_stages),
+            X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **pipeline_stages(cfg.dx_stages),
             **register_cap(cfg.dx_maxnreg),
         )
     if cfg.dfn == "separate":
         fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
             X, dz, dz, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t,
-            BLOCK_C=plan.dfn.block_c, LOGITS=n, num_warps=cfg.dfn_warps, **_stages(cfg.dfn_stages),
+            BLOCK_C=plan.dfn.block_c, LOGITS=n, num_warps=cfg.dfn_warps, **pipeline_stages(cfg.dfn_stages),
         )
     if not atomic:
         width = n * n * C

@@ -33,7 +33,7 @@ from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, logits_pad
 from .._backend import interpreting
-from .launch import cdiv, next_power_of_2, persistent_programs, register_cap
+from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
 
@@ -481,7 +481,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         **dict(zip(("M_HI", "M_LO"), logit_split_widths(n, cfg.logit_split))),
         # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
         PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, **({} if cfg.num_stages is None else {"num_stages": cfg.num_stages}),
+        num_warps=cfg.num_warps, **pipeline_stages(cfg.num_stages),
         **register_cap(cfg.maxnreg),
     )
     fast(_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
