@@ -40,14 +40,18 @@ def wrap(model: TinyLM, parallel: str, device: torch.device, backend: str = "aot
 
         model.compile(fullgraph=True, backend=backend)
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if parallel == "fsdp2-bf16" else MixedPrecisionPolicy())
+    # the mesh of the ranks' device: without one fully_shard takes the machine's accelerator, so ranks training
+    # on the CPU (gloo) of a machine with a GPU had their parameters sharded onto a CUDA mesh
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         block.compile(fullgraph=True, backend=backend)
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

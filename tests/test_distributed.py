@@ -111,6 +111,31 @@ def test_two_processes_train_like_one(scenario):
     _spawn(_worker, scenario, _backend())
 
 
+def _cpu_ranks_beside_an_accelerator_worker(rank, init_file):
+    """gloo ranks on the CPU of a machine whose accelerator is CUDA (made to look so here): fully_shard without a
+    mesh would build one on that accelerator; the demo's wrap shards onto the ranks' own device."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        real = torch._C._get_accelerator
+        torch._C._get_accelerator = lambda: torch.device("cuda")
+        try:
+            model = wrap(_model(torch.device("cpu")), "fsdp2", torch.device("cpu"))
+        finally:
+            torch._C._get_accelerator = real
+        assert all(p.device.type == "cpu" and p.device_mesh.device_type == "cpu" for p in model.parameters())
+        tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(rank))
+        _loss(model, tokens).backward()
+        assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+def test_fsdp2_demo_shards_on_the_ranks_device_beside_an_accelerator():
+    _spawn(_cpu_ranks_beside_an_accelerator_worker)
+
+
 # ---- sequence parallel: the residual stream as a DTensor sharded on tokens ----
 
 class _TokenLocalModel(torch.nn.Module):

@@ -126,7 +126,7 @@ def test_module_errors_speak_the_users_terms():
         _prepare(scale=torch.ones(4, device=DEVICE))
     with pytest.raises(ValueError, match=r"base: expected shape \(24,\), got \(20,\)"):
         _prepare(base=torch.zeros(20, device=DEVICE))
-    block = cakeops.nn.MHC(torch.nn.Linear(C, C // 2), hidden_size=C, device=DEVICE)
+    block = cakeops.nn.MHC(torch.nn.Linear(C, C // 2, device=DEVICE), hidden_size=C, device=DEVICE)
     with pytest.raises(ValueError, match=r"the branch must map \[\.\.\., 8\] to \[\.\.\., 8\]: given \(2, 3, 8\), "
                                          r"it returned \(2, 3, 4\)"):
         block(torch.randn(2, 3, N, C, device=DEVICE))

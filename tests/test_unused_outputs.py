@@ -103,7 +103,7 @@ def test_modules_on_batch_seq_streams_return_no_views_and_match_flat_tokens(back
     import cakeops
 
     torch.manual_seed(3)
-    block = cakeops.nn.MHC(torch.nn.Linear(16, 16), hidden_size=16, hc_eps=0.05, device=DEVICE)
+    block = cakeops.nn.MHC(torch.nn.Linear(16, 16, device=DEVICE), hidden_size=16, hc_eps=0.05, device=DEVICE)
     head = cakeops.nn.MHCHead()
     X = torch.randn(2, 3, 4, 16, device=DEVICE, requires_grad=True)
     X3 = X.detach().reshape(6, 4, 16).clone().requires_grad_()
