@@ -453,7 +453,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, dU, fn, stats, dz, dX, T, C, plan.dx.blocks_per_split, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages), **register_cap(cfg.maxnreg),
+            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages),
+            **register_cap(cfg.maxnreg),
         )
     split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
     dz_c, dz_lo = dz, dz

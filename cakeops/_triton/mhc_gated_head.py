@@ -270,7 +270,7 @@ def projection_config(cfg: GatedHeadConfig, n: int, C: int, dtype: torch.dtype, 
 
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
     """The projection's resolved launch shape for X."""
-    T, n, C = X.shape
+    _, n, C = X.shape
     return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(X)
 
 
@@ -609,7 +609,8 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dx_block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n), **pipeline_stages(cfg.dx_stages),
+            X_PER_STREAM=cfg.x_per_stream, FUSED_DFN=fused, num_warps=cfg.dx_num_warps(n),
+            **pipeline_stages(cfg.dx_stages),
             **register_cap(cfg.dx_maxnreg),
         )
     if cfg.dfn == "separate":
