@@ -86,31 +86,49 @@ def flat(t: Tensor, dims: int) -> Tensor:
     return t if t.dim() == dims else t.reshape(-1, *t.shape[t.dim() - dims + 1:])
 
 
+def empty_tokens(shape: torch.Size, dims: int, like: Tensor) -> Tensor:
+    """An output of ``shape`` ([..., *last]) allocated in the form the kernels write, [T, *last] with ``dims`` dims;
+    ``unflat`` then gives it ``shape``. Not ``flat(torch.empty(shape))``: traced by torch.compile (the kernels made
+    visible to Inductor), the kernels' write into that view makes the output a view of an intermediate, which
+    AOTAutograd hands back as a view (``_base`` set) -- and a module's output must be no view (FSDP2 hooks it)."""
+    T = 1
+    for d in shape[:len(shape) - dims + 1]:
+        T *= d
+    return torch.empty((T, *shape[len(shape) - dims + 1:]), dtype=like.dtype, device=like.device)
+
+
+def unflat(t: Tensor, shape: torch.Size) -> Tensor:
+    """``t`` [T, *last] in ``shape``: an alias that is no view, for autograd or for functionalization (which
+    would otherwise regenerate the view; see ``empty_tokens``)."""
+    return t if t.shape == shape else torch.ops.aten._unsafe_view(t, shape)
+
+
 def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
     """Y in X's shape: X [..., n, C] and B [..., C] with any leading dims (a module's output is then Y itself,
     not a view of it)."""
-    Y = torch.empty(X.shape, dtype=X.dtype, device=X.device) if Y is None else Y
-    X3, B2, Y3, stats = unit_last(flat(X, 3)), unit_last(flat(B, 2)), flat(Y, 3), unit_last(stats)
+    Y3 = empty_tokens(X.shape, 3, X) if Y is None else flat(Y, 3)
+    X3, B2, stats = unit_last(flat(X, 3)), unit_last(flat(B, 2)), unit_last(stats)
     if _backend.use_triton(X3):
         from .._triton import mhc_forward as kernels
         with _backend.kernel_device(X3):
             kernels.finish(X3, B2, stats, Y3)
     else:
         Y3.copy_(reference.forward_finish(X3, B2, stats))
-    return Y
+    return unflat(Y3, X.shape) if Y is None else Y
 
 
 def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:
     """Y [..., C] from X [..., n, C], any leading dims."""
-    Y = torch.empty(X.shape[:-2] + X.shape[-1:], dtype=X.dtype, device=X.device) if Y is None else Y
-    X3, Y2 = unit_last(flat(X, 3)), flat(Y, 2)
+    shape = X.shape[:-2] + X.shape[-1:]
+    Y2 = empty_tokens(shape, 2, X) if Y is None else flat(Y, 2)
+    X3 = unit_last(flat(X, 3))
     if _backend.use_triton(X3):
         from .._triton import mhc_forward as kernels
         with _backend.kernel_device(X3):
             kernels.head_forward(X3, Y2)
     else:
         Y2.copy_(reference.head_forward(X3))
-    return Y
+    return unflat(Y2, shape) if Y is None else Y
 
 
 def head_backward_impl(dY: Tensor, n: int, dX: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:

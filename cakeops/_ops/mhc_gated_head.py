@@ -14,7 +14,7 @@ from .. import _backend
 from ..reference import mhc_gated_head as reference
 from . import inductor
 from .determinism import alert_not_deterministic
-from .mhc import flat, fp32_params, param_grad_buffers, store_reference_grads
+from .mhc import empty_tokens, flat, fp32_params, param_grad_buffers, store_reference_grads, unflat
 from .strides import unit_last
 
 
@@ -24,9 +24,9 @@ def forward_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
     X3 = unit_last(flat(X, 3))
     fn, scale, base = fp32_params(fn, scale, base)
     T, n, C = X3.shape
-    Y = torch.empty(X.shape[:-2] + X.shape[-1:], dtype=X.dtype, device=X.device) if Y is None else Y
+    shape = X.shape[:-2] + X.shape[-1:]
+    Y2 = empty_tokens(shape, 2, X) if Y is None else flat(Y, 2)
     stats = torch.empty((T, layout.HEAD_STATS_WIDTH), dtype=torch.float32, device=X.device) if stats is None else stats
-    Y2 = flat(Y, 2)
     if _backend.use_triton(X3):
         from .._triton import mhc_gated_head as kernels
         with _backend.kernel_device(X3):
@@ -35,7 +35,7 @@ def forward_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: fl
         ref_Y, ref_stats = reference.forward(X3, fn, scale, base, rms_eps, hc_eps)
         Y2.copy_(ref_Y)
         stats.copy_(ref_stats)
-    return Y, stats
+    return (unflat(Y2, shape) if Y is None else Y), stats
 
 
 def backward_impl(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, stats: Tensor, rms_eps: float,
