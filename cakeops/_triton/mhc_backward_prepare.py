@@ -123,9 +123,11 @@ class BackwardPrepareConfig:
     def candidates(n: int = 4):
         """The tuner's variants. n = 8: only a thread's own 16-byte vector of each stream (256 columns per warp)
         or half of it (128: 168-178 registers against 232, sm_90); wider blocks spill (2.5-117 KB); and the
-        rolled dcomb unpipelined (the default until 2026-12-03) or pipelined, X by rows unpipelined."""
+        rolled dcomb unpipelined (the default until 2026-12-03) or pipelined, X by rows unpipelined. n <= 4: 256 or
+        512 columns per warp; at 1024 a thread's tiles spill (sm_90: 1 KB at 1024 columns of 1 warp or 2048 of 2,
+        16 KB at 2048 of 1, whose test never finished on the H200 in two runs of the suite, > 150 s)."""
         for block_c, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
-            if n <= 4 and block_c >= 256 * warps:
+            if n <= 4 and 256 * warps <= block_c <= 512 * warps:
                 yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
             elif n > 4 and block_c in (128 * warps, 256 * warps) and (block_c, warps) != (256, 1):  # not n's default
                 yield BackwardPrepareConfig(block_c=block_c, num_warps=warps)
