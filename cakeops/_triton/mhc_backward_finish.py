@@ -203,6 +203,9 @@ def _wide_candidates(n: int):
     # (64 x 32 of 4 warps, 64 x 64 of 8 and 128 x 32 of 8: 3214-3245 / 3279-3459 / 3076-3337 us against 2581 at
     # T = 16384, H200 2026-12-02; dropped from the sweep on 2026-12-03)
     yield F(stream_group_t=8)
+    # (fn's tiles loaded once per program into shared memory and reused over 2-16 token blocks: kernel B 1668-2232 us
+    # against 1152 at T = 8192, dX bitwise the same; H200 2026-12-03, fifth session; the token loop serializes a
+    # program's work as the streams loop did; not kept)
     yield F(dlogits_per_sm=16, dlogits_scratch_bytes=SCRATCH_BUDGET_BYTES)  # A as before: 840 programs (scratch cap)
     yield F(dlogits_block_t=4, dlogits_per_sm=14)  # A: 146 registers, 14 programs / SM (half the tokens each)
     # (A at 2 tokens, 18 programs per SM, 110 registers: a candidate until 2026-12-03)

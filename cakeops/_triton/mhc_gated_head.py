@@ -224,6 +224,9 @@ class GatedHeadConfig:
         yield G(columns_block_t=2, columns_per_sm=3, columns_prefetch=False)
         yield G(columns_block_t=8, columns_elems=512, columns_per_sm=2, columns_prefetch=False)  # 207 registers
         yield G(columns_stages=1)
+        # (n = 8 at 64 columns with a thread's columns in runs of 4, not 16 bytes (a tl.max_contiguous hint: the
+        # tokens stay in registers, 96-168 registers, 3-5 per SM): 0.695-0.862 ms against the default's 0.678 at
+        # T = 8192, H200 2026-12-03 (fifth session, docs/perf.md); removed)
         # the tensor-core dX kernel with backward_finish's dfn kernel (the default until 2026-12-02: 0.662 ms at n = 4)
         yield G(dfn="separate")
         # (dfn="fused_2d", one 2-D dot in the dX kernel: 0.703 ms against 0.661 at n = 4, H200 2026-12-01, removed)
