@@ -20,6 +20,7 @@ from . import _checks
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
+from ._ops.strides import in_shape
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
@@ -228,20 +229,11 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     eps = _checks.positive_float("eps", eps)
     if residual is None:
         y, _ = torch.ops.cakeops.rmsnorm_fwd(_rows(x), w, eps, deterministic)
-        return _in_shape(y, x.shape)
+        return in_shape(y, x.shape)
     _check_like("residual", residual, x)
     y, _, h_new = torch.ops.cakeops.add_rmsnorm_fwd(_rows(x), _rows(residual), w, eps,
                                                     deterministic)
-    return _in_shape(y, x.shape), _in_shape(h_new, x.shape)
-
-
-def _in_shape(t: Tensor, shape) -> Tensor:
-    """An op's fresh [T, H] output in x's shape, as a compiled graph's output. Not ``t.view(shape)``: a graph output
-    that views an intermediate is one AOTAutograd hides from autograd itself, by dispatching ``aten._unsafe_view``
-    on it at every call (even for an unchanged shape). This is that same call traced into the graph, where Inductor
-    makes it a free reinterpretation; sound for the same reason: nothing else sees the op's output. (Eagerly, for
-    DTensors, it shares the output's storage as ``.view`` did, with the same reshaping backward.)"""
-    return torch.ops.aten._unsafe_view(t, shape)
+    return in_shape(y, x.shape), in_shape(h_new, x.shape)
 
 
 def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None) -> bool:

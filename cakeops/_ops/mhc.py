@@ -12,6 +12,7 @@ X; they are fresh tensors whose strides are all 0 (one element of storage each, 
 they cost no HBM traffic, and the incoming ``dY`` tangent goes straight into the backward kernel (the AOT
 backward graph shows no copy: compile_tests snapshot it).
 """
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from .. import _backend
 from ..reference import mhc as reference
 from . import inductor
 from .determinism import alert_not_deterministic
-from .strides import unit_last
+from .strides import in_shape, unit_last
 
 
 def _empty_stats(X: Tensor) -> Tensor:
@@ -90,17 +91,14 @@ def empty_tokens(shape: torch.Size, dims: int, like: Tensor) -> Tensor:
     """An output of ``shape`` ([..., *last]) allocated in the form the kernels write, [T, *last] with ``dims`` dims;
     ``unflat`` then gives it ``shape``. Not ``flat(torch.empty(shape))``: traced by torch.compile (the kernels made
     visible to Inductor), the kernels' write into that view makes the output a view of an intermediate, which
-    AOTAutograd hands back as a view (``_base`` set) -- and a module's output must be no view (FSDP2 hooks it)."""
-    T = 1
-    for d in shape[:len(shape) - dims + 1]:
-        T *= d
-    return torch.empty((T, *shape[len(shape) - dims + 1:]), dtype=like.dtype, device=like.device)
+    AOTAutograd hands back as a view (``strides.in_shape``)."""
+    lead = len(shape) - dims + 1
+    return torch.empty((math.prod(shape[:lead]), *shape[lead:]), dtype=like.dtype, device=like.device)
 
 
 def unflat(t: Tensor, shape: torch.Size) -> Tensor:
-    """``t`` [T, *last] in ``shape``: an alias that is no view, for autograd or for functionalization (which
-    would otherwise regenerate the view; see ``empty_tokens``)."""
-    return t if t.shape == shape else torch.ops.aten._unsafe_view(t, shape)
+    """``t`` [T, *last] from ``empty_tokens`` in ``shape``, as no view (``strides.in_shape``)."""
+    return t if t.shape == shape else in_shape(t, shape)
 
 
 def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None) -> Tensor:
