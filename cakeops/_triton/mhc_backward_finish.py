@@ -131,6 +131,7 @@ class FinishConfig:
     stream_group_t: int = 1      # _dx_stream_kernel: token blocks walked before the next column block
     stream_fn_k_major: bool = False  # _dx_stream_kernel: fn read from its transpose (FN_K_MAJOR; a workspace region)
     stream_maxnreg: Optional[int] = None  # _dx_stream_kernel: register cap per thread
+    stream_k_stages: int = 1     # _dx_stream_kernel: pipeline stages of its logit steps (K_STAGES; 1: none)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -194,9 +195,15 @@ def _wide_candidates(n: int):
     # against 2.62 for the GEMM per stream) and the per-stream GEMM at other tiles
     # (the batched form itself, dx_by_stream=False, a candidate until 2026-12-03)
     yield F(stream_fn_k_major=False)  # the default until 2026-12-03
-    # kernel B's register cap: none (110 registers, 4 programs of 4 warps per SM; the default until 2026-12-03:
-    # 1229 against 1152 us at T = 8192), 80 (6 per SM, 144 bytes spilled: 1.705 against 1.593 ms, H200 2026-12-03)
-    for maxnreg in (None, 80):
+    # kernel B unpipelined at 64 x 64 of 4 warps, capped at 96 registers (5 programs per SM; the default until the
+    # sixth session of 2026-12-03: 1142 against 1013 us at T = 8192); without the cap it was 1229 us, at 80 1.705 ms
+    # of backward_finish against 1.593 (H200 2026-12-03)
+    yield F(stream_block_c=64, stream_warps=4, stream_maxnreg=96, stream_k_stages=1)
+    # the pipelined steps at 3 stages (1039 us; 130 registers uncapped: one program per SM), capped at 104 (1100)
+    # or 80 registers (3 per SM, 152 bytes spilled: 1158); (5 / 6 stages 1131 / 1167, 128 x 128 or 64 x 256 of 8
+    # warps 2240 / 1452, 16 warps 1475-1806: H200, T = 8192, 2026-12-03, dropped)
+    yield F(stream_k_stages=3, stream_maxnreg=128)
+    for maxnreg in (104, 80):
         yield F(stream_maxnreg=maxnreg)
     # (several streams per program one after another: the compiler hoists the dY and dz tiles out of the stream
     # loop, 255 registers and 2 programs per SM at 2 or 8 streams, sm_90 build 2026-12-03; not timed)
@@ -231,9 +238,10 @@ def _wide_candidates(n: int):
 # per SM; 158 fp32 at 32 columns; no spills; timed in docs/perf.md); the batched form's fn columns [8, 128,
 # BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64
 # columns spill). The per-stream GEMM reads fn from fn^T (stream_fn_k_major: a transposed copy in the workspace,
-# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md), capped at 96 registers (stream_maxnreg:
-# 5 programs of 4 warps per SM instead of 4; sm_90: 16 bytes spilled bf16, 32 fp16; H200, T = 8192: 1229 -> 1152
-# us, 2026-12-03; fp32 X keeps no cap, see finish()).
+# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md). Its logit steps pipelined over 4
+# stages on 64 x 128 tiles of 8 warps since 2026-12-03 (sixth session; sm_90: 128 registers, 48 KB shared, 2 programs
+# per SM, no spills; H200, T = 8192: 1142 -> 1013 us against 64 x 64 of 4 warps unpipelined and capped at 96
+# registers, 5 per SM; fp32 X halves the columns, see finish()).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
 # backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills). Then 256
@@ -245,7 +253,7 @@ def _wide_candidates(n: int):
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
-        "stream_maxnreg": 96,
+        "stream_block_c": 128, "stream_warps": 8, "stream_k_stages": 4,
         "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
@@ -411,8 +419,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     cfg = (config or FinishConfig()).resolve(n)
     if config is None and n > 4 and X.element_size() == 4:
         # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
-        # memory (sm_90 has 227 KB), 16 fit; per stream: 64 columns of three-pass TF32 spill, 32 hold 160 registers
-        # (so no register cap: bf16's 96 would spill them)
+        # memory (sm_90 has 227 KB), 16 fit; per stream: half bf16's columns (64 of 8 warps, three-pass TF32: 128
+        # registers, no spill on sm_90), never capped
         cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
     if config is None and n > 4 and X.dtype != torch.bfloat16:
         # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
@@ -450,7 +458,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            num_warps=cfg.stream_warps, num_stages=1, **register_cap(cfg.stream_maxnreg),
+            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1, **register_cap(cfg.stream_maxnreg),
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
