@@ -92,8 +92,8 @@ def _dx_stream_kernel(
     equal, 2026-12-03).
     K_STAGES: the logit steps' software pipeline (tl.range's num_stages): from 2 on, dz's and fn's tiles of the
     next steps are copied to shared memory asynchronously (cp.async) while a step's wgmma runs, where a step of the
-    unrolled loop waited on its own global loads and then on its MMA (H200, n = 8, T = 8192, 4 stages at 64 x 128
-    of 8 warps: 1142 -> 1013 us, dX bitwise equal, 2026-12-03)."""
+    unrolled loop waited on its own global loads and then on its MMA (H200, n = 8, T = 8192, 3 stages at 64 x 128
+    of 8 warps: 1142 -> 1025 us, dX bitwise equal, 2026-12-03)."""
     M: tl.constexpr = 2 * N + N * N
     c_blocks = tl.cdiv(C, BLOCK_C)
     pid = tl.program_id(0)

@@ -199,11 +199,14 @@ def _wide_candidates(n: int):
     # sixth session of 2026-12-03: 1142 against 1013 us at T = 8192); without the cap it was 1229 us, at 80 1.705 ms
     # of backward_finish against 1.593 (H200 2026-12-03)
     yield F(stream_block_c=64, stream_warps=4, stream_maxnreg=96, stream_k_stages=1)
-    # the pipelined steps at 3 stages (1039 us; 130 registers uncapped: one program per SM), capped at 104 (1100)
-    # or 80 registers (3 per SM, 152 bytes spilled: 1158); (5 / 6 stages 1131 / 1167, 128 x 128 or 64 x 256 of 8
-    # warps 2240 / 1452, 16 warps 1475-1806: H200, T = 8192, 2026-12-03, dropped)
-    yield F(stream_k_stages=3, stream_maxnreg=128)
-    for maxnreg in (104, 80):
+    # the pipelined steps at 4 stages uncapped (111 registers; 1079 us against the default's 1025-1028 at T = 8192,
+    # 2203 against 2062 at 16384) or capped at 128; 2 stages (1081); 3 stages at 112 registers (1010, 2074: even),
+    # at 80 (3 per SM, 152 bytes spilled: 1158); (5 / 6 stages 1131 / 1167, 128 x 128 or 64 x 256 of 8 warps
+    # 2240 / 1452, 16 warps 1475-1806: H200, 2026-12-03, dropped)
+    yield F(stream_k_stages=4, stream_maxnreg=None)
+    yield F(stream_k_stages=4)
+    yield F(stream_k_stages=2)
+    for maxnreg in (112, 80):
         yield F(stream_maxnreg=maxnreg)
     # (several streams per program one after another: the compiler hoists the dY and dz tiles out of the stream
     # loop, 255 registers and 2 programs per SM at 2 or 8 streams, sm_90 build 2026-12-03; not timed)
@@ -238,10 +241,10 @@ def _wide_candidates(n: int):
 # per SM; 158 fp32 at 32 columns; no spills; timed in docs/perf.md); the batched form's fn columns [8, 128,
 # BLOCK_C] stay in registers, so 32 columns and 8 warps (128 registers, 152 KB shared: one program per SM; 64
 # columns spill). The per-stream GEMM reads fn from fn^T (stream_fn_k_major: a transposed copy in the workspace,
-# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md). Its logit steps pipelined over 4
-# stages on 64 x 128 tiles of 8 warps since 2026-12-03 (sixth session; sm_90: 128 registers, 48 KB shared, 2 programs
-# per SM, no spills; H200, T = 8192: 1142 -> 1013 us against 64 x 64 of 4 warps unpipelined and capped at 96
-# registers, 5 per SM; fp32 X halves the columns, see finish()).
+# 10.5 MB at C = 4096, written once per call) since 2026-12-03 (docs/perf.md). Its logit steps pipelined over 3
+# stages on 64 x 128 tiles of 8 warps since 2026-12-03 (sixth session; sm_90: 128 registers at the cap, 36 KB shared,
+# 2 programs per SM, no spills; H200, T = 8192: 1142 -> 1025 us against 64 x 64 of 4 warps unpipelined and capped at
+# 96 registers, 5 per SM; 4 stages uncapped 1079; fp32 X halves the columns, see finish()).
 # n = 8, kernel C: M_PAD = 128 makes its GEMM 4x n = 4's work per byte, so bf16 MMAs on dz's hi / lo pieces, 128
 # columns, 8 warps, 3 stages (H200, bf16, T = 16384, C = 4096, 2026-12-01: the kernel 3611 -> 648 us,
 # backward_finish 7.89 -> 4.95 ms; sm_90 builds: 134 registers bf16, 227 fp32 (TF32 there), no spills). Then 256
@@ -253,7 +256,7 @@ def _wide_candidates(n: int):
 STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
-        "stream_block_c": 128, "stream_warps": 8, "stream_k_stages": 4,
+        "stream_block_c": 128, "stream_warps": 8, "stream_k_stages": 3, "stream_maxnreg": 128,
         "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
