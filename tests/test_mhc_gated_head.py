@@ -229,15 +229,17 @@ def test_separate_dfn_and_per_chunk_dgate_at_other_stream_counts(triton_kernels,
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
-def test_columns_form_computes_dx_and_dfn_in_one_pass(triton_kernels, gen, n, dtype, deterministic, prefetch):
+@pytest.mark.parametrize("prefetch,loop_stages", [(True, 1), (False, 3), (False, 1)],
+                         ids=["prefetch", "pipelined", "plain"])
+def test_columns_form_computes_dx_and_dfn_in_one_pass(triton_kernels, gen, n, dtype, deterministic, prefetch,
+                                                      loop_stages):
     """dfn="columns" (dX and dfn from one read of X, as FMAs): several column blocks with a tail (C = 40 at 16
     columns), three token splits with a tail (37 tokens in steps of 4: the prefetch form's loads past a split's end
-    and past T masked), against fp64, deterministic and atomic."""
+    and past T masked; the pipelined loop's on a GPU), against fp64, deterministic and atomic."""
     case = Case(gen, 37, n, 40, dtype)
     stats = R.forward_stats(*case.f64(case.X, *case.params), case.rms_eps, case.hc_eps).float()
     cfg = K.GatedHeadConfig(dfn="columns", columns_elems=16 * n, columns_block_t=4, columns_splits=3,
-                            columns_prefetch=prefetch)
+                            columns_prefetch=prefetch, columns_loop_stages=loop_stages)
     for name, g, r in zip(("dX", "dfn", "dscale", "dbase"), _backward_with(case, stats, cfg, deterministic),
                           case.ref_backward()):
         assert_close(name, g, r, grad_tol(dtype, name))

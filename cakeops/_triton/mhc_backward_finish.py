@@ -200,14 +200,12 @@ def _wide_candidates(n: int):
     # of backward_finish against 1.593 (H200 2026-12-03)
     yield F(stream_block_c=64, stream_warps=4, stream_maxnreg=96, stream_k_stages=1)
     # the pipelined steps at 4 stages uncapped (111 registers; 1079 us against the default's 1025-1028 at T = 8192,
-    # 2203 against 2062 at 16384) or capped at 128; 2 stages (1081); 3 stages at 112 registers (1010, 2074: even),
-    # at 80 (3 per SM, 152 bytes spilled: 1158); (5 / 6 stages 1131 / 1167, 128 x 128 or 64 x 256 of 8 warps
-    # 2240 / 1452, 16 warps 1475-1806: H200, 2026-12-03, dropped)
+    # 2203 against 2062 at 16384), 2 stages (1081), 3 stages at 80 registers (3 per SM, 152 bytes spilled: 1158);
+    # (4 stages capped at 128: 1034, 3 stages at 112 registers: 1010 / 2074, even with the default; 5 / 6 stages
+    # 1131 / 1167, 128 x 128 or 64 x 256 of 8 warps 2240 / 1452, 16 warps 1475-1806: H200, 2026-12-03, dropped)
     yield F(stream_k_stages=4, stream_maxnreg=None)
-    yield F(stream_k_stages=4)
     yield F(stream_k_stages=2)
-    for maxnreg in (112, 80):
-        yield F(stream_maxnreg=maxnreg)
+    yield F(stream_maxnreg=80)
     # (several streams per program one after another: the compiler hoists the dY and dz tiles out of the stream
     # loop, 255 registers and 2 programs per SM at 2 or 8 streams, sm_90 build 2026-12-03; not timed)
     # (64 x 32 of 4 warps, 64 x 64 of 8 and 128 x 32 of 8: 3214-3245 / 3279-3459 / 3076-3337 us against 2581 at

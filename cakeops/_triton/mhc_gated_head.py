@@ -171,6 +171,7 @@ class GatedHeadConfig:
     columns_stages: Optional[int] = None
     columns_splits: Optional[int] = None
     columns_prefetch: Optional[bool] = None  # the next block's loads issued before this block's FMAs (None: n's)
+    columns_loop_stages: Optional[int] = None  # the token loop's software pipeline (tl.range's num_stages; None: n's)
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -192,14 +193,16 @@ class GatedHeadConfig:
         # at 32 (H200, 2026-12-01, .devrun/proto_head_rows.py "cur"; the whole backward at 64 not yet timed)
         return self.dx_elems if self.dx_elems is not None else 64 * n
 
-    # n = 4: 2 tokens per step with the next step's loads in flight, 3 programs per SM (168 registers): 0.599 ms
-    # against 0.640 for 4 tokens at 2 per SM without (208 registers), 0.613 with (241). n = 2 and 8 slower with it
-    # (0.374 against 0.364, 1.818 against 1.329 ms: n = 8's 255 registers leave no room). H200, 2026-12-02.
+    # n = 4: 2 tokens per step, 3 programs per SM (168 registers); n = 2 and 8: 4 tokens at 2 per SM. The token loop
+    # pipelined over 4 stages (Triton copies the next blocks' x and dY tiles to shared memory asynchronously; sm_90:
+    # 37-50 KB of shared memory, registers as before) instead of the next block's loads issued by hand (n = 4's
+    # default until 2026-12-03: 0.599 ms against 0.640 without; n = 2 and 8 were slower with it): the backward at
+    # n = 4, T = 16384 0.599 -> 0.518 ms, n = 8, T = 8192 0.684 -> 0.623 (H200, 2026-12-03, sixth session).
     def columns_shape(self, n: int) -> tuple:
-        """(tokens per step, programs per SM, prefetch) of the one-pass kernel at n streams."""
-        block_t, per_sm, prefetch = (2, 3, True) if n == 4 else (4, 2, False)
+        """(tokens per step, programs per SM, prefetch, loop stages) of the one-pass kernel at n streams."""
+        block_t, per_sm = (2, 3) if n == 4 else (4, 2)
         return (self.columns_block_t or block_t, self.columns_per_sm or per_sm,
-                prefetch if self.columns_prefetch is None else self.columns_prefetch)
+                bool(self.columns_prefetch), self.columns_loop_stages or 4)
 
     def dx_num_warps(self, n: int) -> int:
         return self.dx_warps if self.dx_warps is not None else (2 if n == 2 else 4)
@@ -224,6 +227,13 @@ class GatedHeadConfig:
         yield G(columns_block_t=2, columns_per_sm=3, columns_prefetch=False)
         yield G(columns_block_t=8, columns_elems=512, columns_per_sm=2, columns_prefetch=False)  # 207 registers
         yield G(columns_stages=1)
+        # the token loop unpipelined (each n's form until 2026-12-03: n = 4 with the next block's loads issued by hand),
+        # at 2 / 3 / 5 stages, and pipelined with the hand prefetch (H200, 2026-12-03: n = 8 at T = 8192 0.684 /
+        # 0.746 / 0.641 ms against 4 stages' 0.623, with the prefetch at 3 stages 1.253, 255 registers and spills)
+        yield G(columns_loop_stages=1, columns_prefetch=None)
+        yield G(columns_loop_stages=1, columns_prefetch=True)
+        for stages in (2, 3, 5):
+            yield G(columns_loop_stages=stages)
         # (n = 8 at 64 columns with a thread's columns in runs of 4, not 16 bytes (a tl.max_contiguous hint: the
         # tokens stay in registers, 96-168 registers, 3-5 per SM): 0.695-0.862 ms against the default's 0.678 at
         # T = 8192, H200 2026-12-03 (fifth session, docs/perf.md); removed)
@@ -461,17 +471,18 @@ def _columns_tiles(X, DY, block, T, i3, c3, c_ok, stride_xt, stride_xi, stride_d
 def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                             stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
                             N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr):
+                            BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
     """dX and dfn in one pass over X (``GatedHeadConfig.dfn="columns"``): one column block of every stream over a
     range of token blocks, as FMAs (the projection has only n terms per element). [N, BLOCK_T, BLOCK_C] tiles:
     threads own columns, warps own streams and the token axis stays in registers (sm_90 build, triton 3.6: no
     shuffle in the loop and one layout for every tile), so dfn's sum over tokens is in-thread. fn's n rows and the
     n dfn accumulators are tuples of [N, 1, BLOCK_C] tiles held for the whole range: per element n FMAs for
     dz @ fn and n for dfn, against the tensor-core forms' 16-row padding and the third read of X by a separate
-    dfn kernel. DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials. PREFETCH: the next block's x and dY are
-    loaded (as stored, 16-bit) before this block's FMAs, so each program keeps two blocks' loads in flight: Triton
-    pipelines only loads that feed a ``tl.dot``, and at 2 programs per SM one block's bytes do not cover DRAM's
-    latency."""
+    dfn kernel. DFN: dfn itself (ATOMIC) or the [splits, N, N*C] partials. LOOP_STAGES: the token loop's software
+    pipeline (from 2 on, Triton copies the next blocks' tiles to shared memory asynchronously; without a loop-level
+    num_stages it pipelines only loads that feed a ``tl.dot``): at 2 or 3 programs per SM one block's bytes do not
+    cover DRAM's latency. PREFETCH: the next block's x and dY loaded by hand (as stored, 16-bit) before this block's
+    FMAs (n = 4's form until 2026-12-03)."""
     i3 = tl.arange(0, N)[:, None, None]
     c3 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c3 < C
@@ -484,7 +495,7 @@ def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_spli
     last = tl.minimum(first + blocks_per_split, tl.cdiv(T, BLOCK_T))
     if PREFETCH:
         x_next, dy_next = _columns_tiles(X, DY, first, T, i3, c3, c_ok, stride_xt, stride_xi, stride_dyt, BLOCK_T)
-    for block in range(first, last):
+    for block in tl.range(first, last, num_stages=LOOP_STAGES):
         t3 = block * BLOCK_T + tl.arange(0, BLOCK_T)[None, :, None]
         t_ok = t3 < T
         t64 = t3.to(tl.int64)
@@ -536,7 +547,7 @@ def _plan(T: int, n: int, C: int, device, deterministic: bool, cfg: GatedHeadCon
         slices = max(1, min(8, persistent_programs(device, 1 << 30, per_sm=1) // blocks, cdiv(C, block_c)))
     cols = cdiv(cdiv(C, slices), block_c) * block_c
     if cfg.dfn == "columns":
-        step_t, per_sm, _ = cfg.columns_shape(n)
+        step_t, per_sm, _, _ = cfg.columns_shape(n)
         dx = _split(device, T, C, step_t, max(16, cfg.columns_elems // n), per_sm, cfg.columns_splits)
     else:
         dx = _split(device, T, C, cfg.dx_block_t, max(16, cfg.dx_elements(n) // n), cfg.dx_programs_per_sm(n),
@@ -600,12 +611,12 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     precision = _precision(X.dtype)
     fused = cfg.dfn == "fused"
     if cfg.dfn == "columns":
-        block_t, _, prefetch = cfg.columns_shape(n)
+        block_t, _, prefetch, loop_stages = cfg.columns_shape(n)
         fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=plan.dx.block_c, PREFETCH=prefetch,
-            num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages),
+            LOOP_STAGES=loop_stages, num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
