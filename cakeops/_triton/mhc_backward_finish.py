@@ -459,7 +459,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1, **register_cap(cfg.stream_maxnreg),
+            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1,
+            **register_cap(cfg.stream_maxnreg),
         )
     else:
         fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](

@@ -170,8 +170,8 @@ class GatedHeadConfig:
     columns_per_sm: Optional[int] = None   # None: columns_shape(n)
     columns_stages: Optional[int] = None
     columns_splits: Optional[int] = None
-    columns_prefetch: Optional[bool] = None  # the next block's loads issued before this block's FMAs (None: n's)
-    columns_loop_stages: Optional[int] = None  # the token loop's software pipeline (tl.range's num_stages; None: n's)
+    columns_prefetch: Optional[bool] = None  # the next block's loads issued by hand before its FMAs (None: off)
+    columns_loop_stages: Optional[int] = None  # the token loop's software pipeline (tl.range's num_stages; None: 4)
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -195,9 +195,10 @@ class GatedHeadConfig:
 
     # n = 4: 2 tokens per step, 3 programs per SM (168 registers); n = 2 and 8: 4 tokens at 2 per SM. The token loop
     # pipelined over 4 stages (Triton copies the next blocks' x and dY tiles to shared memory asynchronously; sm_90:
-    # 37-50 KB of shared memory, registers as before) instead of the next block's loads issued by hand (n = 4's
-    # default until 2026-12-03: 0.599 ms against 0.640 without; n = 2 and 8 were slower with it): the backward at
-    # n = 4, T = 16384 0.599 -> 0.518 ms, n = 8, T = 8192 0.684 -> 0.623 (H200, 2026-12-03, sixth session).
+    # 28-54 KB of shared memory, n = 4 140 registers (168 before), n = 8 255 with 36 bytes spilled, bf16) instead of
+    # the next block's loads issued by hand (n = 4's default until 2026-12-03: 0.599 ms against 0.640 without; n = 2
+    # and 8 were slower with it): the backward at n = 4, T = 16384 0.599 -> 0.518 ms, n = 8, T = 8192 0.684 ->
+    # 0.623, n = 2, T = 32768 0.682 -> 0.569 (H200, 2026-12-03, sixth session).
     def columns_shape(self, n: int) -> tuple:
         """(tokens per step, programs per SM, prefetch, loop stages) of the one-pass kernel at n streams."""
         block_t, per_sm = (2, 3) if n == 4 else (4, 2)
@@ -230,7 +231,7 @@ class GatedHeadConfig:
         # the token loop unpipelined (each n's form until 2026-12-03: n = 4 with the next block's loads issued by hand),
         # at 2 / 3 / 5 stages, and pipelined with the hand prefetch (H200, 2026-12-03: n = 8 at T = 8192 0.684 /
         # 0.746 / 0.641 ms against 4 stages' 0.623, with the prefetch at 3 stages 1.253, 255 registers and spills)
-        yield G(columns_loop_stages=1, columns_prefetch=None)
+        yield G(columns_loop_stages=1, columns_prefetch=False)
         yield G(columns_loop_stages=1, columns_prefetch=True)
         for stages in (2, 3, 5):
             yield G(columns_loop_stages=stages)
