@@ -35,7 +35,7 @@ from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
 from ._ops import mhc_gated_head as head_ops
 from ._ops.sharding import any_dtensor
-from ._ops.strides import unit_last
+from ._ops.strides import in_shape, unit_last
 from .meta import mhc as fake
 from .meta import mhc_layout as layout
 from .meta import mhc_head_layout as head_layout
@@ -586,7 +586,8 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
         state = _LayerState(fn, scale, base, hp, save_stats, deterministic, ws, bws)
         U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X3, fn, scale, base, state)
         handle = MHCTrainHandle(X, (e_dy, e_gs), state=state)
-    return (U if X.dim() == 3 else U.view(*X.shape[:-2], X.shape[-1])), handle
+    # U in X's leading dims as no view (a compiled function returning it would hand back a view: strides.in_shape)
+    return (U if X.dim() == 3 else in_shape(U, (*X.shape[:-2], X.shape[-1]))), handle
 
 
 def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tensor:

@@ -122,6 +122,23 @@ def test_modules_on_batch_seq_streams_return_no_views_and_match_flat_tokens(back
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_prepare_on_batch_seq_streams_returns_u_as_no_view(backend, mode):
+    """U of a [batch, seq, n, C] input: no view (a function returning it hands it back as a tensor of its own, as
+    the modules' outputs above), the flat-token run's values, and the same gradients through it."""
+    X, fn, scale, base = _mhc_inputs(T=8, seed=4)
+    X4 = X.detach().reshape(2, X.shape[0] // 2, *X.shape[1:]).clone().requires_grad_()
+    gU = torch.randn(X.shape[0], X.shape[2], device=DEVICE)
+    U = _run(mode, lambda X: cake_mhc_train_prepare(X, fn, scale, base, sinkhorn_iters=4)[0])(X4)
+    assert U.shape == (*X4.shape[:2], X4.shape[-1]) and U._base is None
+    got = torch.autograd.grad(U, [X4, fn, scale, base], gU.reshape(U.shape))
+    U3 = cake_mhc_train_prepare(X, fn, scale, base, sinkhorn_iters=4)[0]
+    want = torch.autograd.grad(U3, [X, fn, scale, base], gU)
+    assert torch.equal(U.detach().reshape(U3.shape), U3.detach())
+    for name, a, b in zip(["dX", "dfn", "dscale", "dbase"], got, want):
+        assert torch.equal(a.reshape(b.shape), b), name
+
+
 @pytest.mark.parametrize("impl", ["finish", "head", "gated_head"])
 def test_op_bodies_traced_in_the_ops_place_return_no_views(impl):
     """On a GPU torch.compile traces an op's body in the op's place (``inductor.register_visible_kernels``): an
