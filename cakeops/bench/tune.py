@@ -5,8 +5,8 @@ default's outputs, and print the fastest (with each kernel's GPU time).
 One command so that a short lease on a GPU measures every candidate at once; the winners become the launchers'
 defaults (with the numbers in docs/perf.md). Shape: T=16384, C=4096 unless --T / --C; bf16, sinkhorn_iters=20.
 
-``--ops gated_head`` (not in the default list): the gated head's backward candidates (GatedHeadConfig) at n = 4,
-then the default and the fastest at n = 2 and 8, and the forward at n = 2, 4, 8; the copy ceiling of X in the same
+``--ops gated_head`` (not in the default list): the gated head's backward candidates (GatedHeadConfig) at ``--n``
+(4 unless given), then the default and the fastest at the other two n, and the forward at n = 2, 4, 8; the copy ceiling of X in the same
 run, per-kernel GPU times of the default and the fastest, and a last line naming the config to make default.
 ``--budget-s`` stops the sweep (not the final comparisons) when it has run that long.
 
@@ -276,9 +276,9 @@ def _gated_traffic(X, cfg) -> int:
     return 3 * x + 2 * dy + (x if (cfg or GatedHeadConfig()).dfn == "separate" else 0)
 
 
-def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 150.0):
-    """The gated head's backward over GatedHeadConfig's candidates at n = 4, then the default and the fastest at
-    n = 2, 8, and the forward at every n. Returns the rows (also printed)."""
+def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 150.0, n_swept: int = 4):
+    """The gated head's backward over GatedHeadConfig's candidates at n_swept streams, then the default and the
+    fastest at the other n, and the forward at every n. Returns the rows (also printed)."""
     import time
 
     from .._triton import mhc_gated_head as K
@@ -332,34 +332,35 @@ def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 
                 print(f"{'':19s}{key}: {row[key]}", flush=True)
         return row
 
-    n4 = setup(4)
-    X = n4[0]
+    swept = setup(n_swept)
+    X = swept[0]
     dst = torch.empty_like(X)
     copy_ms = median_ms(lambda: dst.copy_(X))
     ceiling = gbps(2 * X.nbytes, copy_ms)
     del dst
+    minimal = 2 * X.nbytes + swept[4].nbytes
     print(f"copy ceiling: X.copy_ ({X.nbytes >> 20} MiB) {copy_ms:.3f} ms = {ceiling:.0f} GB/s; 2 GiB copy "
-          f"{copy_gbps(device):.0f} GB/s. Backward minimal bytes X + dY + dX = {(2 * X.nbytes + n4[4].nbytes) >> 20} "
-          f"MiB: {(2 * X.nbytes + n4[4].nbytes) / ceiling / 1e6:.3f} ms at the ceiling", flush=True)
-    default = measure(n4, None, "default", None, True)
+          f"{copy_gbps(device):.0f} GB/s. Backward minimal bytes X + dY + dX = {minimal >> 20} "
+          f"MiB: {minimal / ceiling / 1e6:.3f} ms at the ceiling", flush=True)
+    default = measure(swept, None, "default", None, True)
     reference = default.get("outs")
-    n4_rows = [default]
+    swept_rows = [default]
     for cfg, name in selected(_variants(K.GatedHeadConfig), match):
         if cfg is None:
             continue
         if time.perf_counter() - t_start > budget_s:
             print(f"budget of {budget_s:.0f} s spent: the remaining candidates are skipped", flush=True)
             break
-        n4_rows.append(measure(n4, cfg, _label(cfg), reference, False))
-    ok = [r for r in n4_rows if "ms" in r and r["max_rel_diff"] <= 1e-2]
+        swept_rows.append(measure(swept, cfg, _label(cfg), reference, False))
+    ok = [r for r in swept_rows if "ms" in r and r["max_rel_diff"] <= 1e-2]
     best = min(ok, key=lambda r: r["ms"])
     if best is not default:
-        print("the fastest at n = 4, per kernel:", flush=True)
-        measure(n4, best["config"], "fastest: " + best["variant"], reference, True)
-    del n4, X, reference
+        print(f"the fastest at n = {n_swept}, per kernel:", flush=True)
+        measure(swept, best["config"], "fastest: " + best["variant"], reference, True)
+    del swept, X, reference
     for r in rows:
         r.pop("outs", None)
-    for n in (2, 8):
+    for n in sorted({2, 4, 8} - {n_swept}):
         inputs = setup(n)
         ref_n = measure(inputs, None, "default", None, True).pop("outs", None)
         if best is not default:
@@ -381,7 +382,7 @@ def sweep_gated_head(device, T: int, C: int, match: str = "", budget_s: float = 
         r.pop("outs", None)
         if r.get("config") is not None:
             r["config"] = repr(r["config"])
-    print(f"\nSUMMARY gated head bwd n=4 T={T} C={C}: default {default['ms']:.3f} ms, fastest {best['ms']:.3f} ms "
+    print(f"\nSUMMARY gated head bwd n={n_swept} T={T} C={C}: default {default['ms']:.3f} ms, fastest {best['ms']:.3f} ms "
           f"({best['gbps']:.0f} GB/s minimal, copy ceiling {ceiling:.0f}) with {best['variant']}; "
           f"make default: {make} "
           f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
     for k, op in enumerate(ops):
         if op == "gated_head":
             rows += sweep_gated_head(device, args.T, args.C, args.match,
-                                     150.0 if args.budget_s is None else args.budget_s)
+                                     150.0 if args.budget_s is None else args.budget_s, args.n)
         else:  # an equal share of what is left for each op still to come
             share = float("inf") if deadline is None else max(0.0, deadline - time.perf_counter()) / (len(ops) - k)
             rows += sweep(op, device, inputs, args.match, share)
