@@ -266,7 +266,8 @@ def test_projection_shape_per_n_and_dtype(monkeypatch):
     assert not wide.logit_split and wide.maxnreg is None
     for n, other in ((8, resolved(8, torch.float32)), (4, resolved(4, torch.bfloat16)),
                      (8, resolved(8, torch.bfloat16, cuda=False)),
-                     (8, resolved(8, torch.bfloat16, config=K.GatedHeadConfig(projection=PrepareConfig(stream_steps=False))))):
+                     (8, resolved(8, torch.bfloat16,
+                                  config=K.GatedHeadConfig(projection=PrepareConfig(stream_steps=False))))):
         assert not other.stream_steps and other.block_c == 256 // n and not other.logit_split
     given = resolved(8, torch.bfloat16, config=K.GatedHeadConfig(projection=PrepareConfig(block_c=64, num_stages=4)))
     assert (given.stream_steps, given.block_t, given.block_c, given.num_stages) == (True, 128, 64, 4)

@@ -266,7 +266,8 @@ STREAM_DEFAULTS = {
     2: {"dpre_block_t": 64},
     8: {"dpre_block_t": 16, "block_c": 32, "warps": 8, "per_sm": 1, "dx_by_stream": True, "stream_fn_k_major": True,
         "stream_block_c": 128, "stream_warps": 8, "stream_k_stages": 3, "stream_maxnreg": 128,
-        "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3, "dfn_split_bf16": True,
+        "dfn_block_c": 256, "dfn_per_sm": 1, "dfn_presplit": True, "dfn_warps": 8, "dfn_stages": 3,
+        "dfn_split_bf16": True,
         "dlogits_per_sm": 8, "dlogits_scratch_bytes": 96 << 20},
 }
 
@@ -368,8 +369,8 @@ def backward_finish_workspace_numel(T: int, C: int, sinkhorn_iters: int, device:
 def backward_finish_workspace_bytes_max(T: int, C: int, device: torch.device, deterministic: bool = True,
                                         sinkhorn_iters: Optional[int] = None,
                                         config: Optional[FinishConfig] = None, n: int = layout.N_STREAMS) -> int:
-    """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C, n streams, on ``device``
-    (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn and dpre partials grows
+    """Bytes of a workspace that serves every backward_finish of up to T tokens at hidden size C, n streams, on
+    ``device`` (and every sinkhorn_iters in 1..MAX when None). Every region of ``_plan`` but the dfn and dpre partials grows
     with T; the dfn partials' effective split count is at most min(requested splits, token blocks), both monotone;
     the dpre partials' largest size over T' <= T is ``_dpre_rows_max``'s."""
     if T == 0:
@@ -439,7 +440,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
         cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
-    dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device, separate=tracing())
+    dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device,
+                                                                      separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
