@@ -1,8 +1,10 @@
 """Which implementation runs an op on a given tensor: the Triton kernels or the reference math.
 
 CUDA tensors always take the Triton kernels. CPU tensors take the reference math, unless the
-Triton interpreter (``TRITON_INTERPRET=1``, set before triton is imported) is asked to run the
-kernels on CPU -- that is how the kernels themselves are tested on machines without a GPU.
+Triton interpreter is asked to run the kernels on CPU (``CAKEOPS_CPU_KERNELS=triton`` with
+``TRITON_INTERPRET=1``, both set before cakeops and triton are imported; numpy installed) -- that is
+how the kernels themselves are tested on machines without a GPU (the tests switch per test with
+``cpu_kernels``; ``conftest.py`` sets ``TRITON_INTERPRET=1``).
 """
 import contextlib
 import os
@@ -10,12 +12,19 @@ import os
 import torch
 
 _cpu_runs_triton = os.environ.get("CAKEOPS_CPU_KERNELS", "reference") == "triton"
+_NO_INTERPRETER = ("CAKEOPS_CPU_KERNELS=triton runs the Triton kernels on CPU tensors through Triton's interpreter: "
+                   "set TRITON_INTERPRET=1 as well (before triton is imported) and install numpy, or unset "
+                   "CAKEOPS_CPU_KERNELS for the reference math")
 
 
 def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
-    return _cpu_runs_triton and t.device.type == "cpu"
+    if _cpu_runs_triton and t.device.type == "cpu":
+        if not interpreting():  # Triton would fail with "0 active drivers"
+            raise RuntimeError(_NO_INTERPRETER)
+        return True
+    return False
 
 
 @contextlib.contextmanager

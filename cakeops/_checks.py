@@ -16,7 +16,10 @@ def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, ndim
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+            hint = ""
+            if t.dtype == torch.float64 and torch.float32 in dtypes:  # a model.double(): say what to do
+                hint = "; float64 is not supported (the math is FP32 inside): cast it with .float()"
+            raise ValueError(f"{name}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}{hint}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:

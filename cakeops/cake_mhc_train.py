@@ -195,7 +195,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
 
 
 def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
-    """The model's final collapse ``Y[t, c] = round((sum_i X[t, i, c]) / 4)``, summed in stream order from zero:
+    """The model's final collapse ``Y[t, c] = round((sum_i X[t, i, c]) / n)``, summed in stream order from zero:
     bit for bit ``X.mean(1)`` on a GPU.
 
     X: ``[T, n, C]`` (n in {2, 4, 8}) bf16 / fp16 / fp32; out: optional contiguous ``[T, C]`` buffer in X's dtype.

@@ -27,8 +27,9 @@ class RMSNorm(nn.Module):
             raise ValueError(f"normalized_shape: expected the hidden size, an int >= 1, got {normalized_shape!r}")
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         if len(shape) != 1:
-            raise NotImplementedError(f"normalized_shape: cakeops normalizes the last dim only, got {normalized_shape!r};"
-                                      f" reshape the input so the normalized dims are one, or use torch.nn.RMSNorm")
+            raise NotImplementedError(f"normalized_shape: cakeops normalizes the last dim only, got "
+                                      f"{normalized_shape!r}; reshape the input so the normalized dims are one, or "
+                                      f"use torch.nn.RMSNorm")
         if isinstance(shape[0], bool) or not isinstance(shape[0], int) or shape[0] < 1:
             raise ValueError(f"normalized_shape: expected the hidden size, an int >= 1, got {normalized_shape!r}")
         if eps is not None:
@@ -54,7 +55,9 @@ class RMSNorm(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"RMSNorm: expected an input [..., {self.normalized_shape[0]}] (normalized_shape), "
                              f"got {got}; build it with the input's last dim as normalized_shape")
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps
+        if eps is None:  # torch's default; a non-float x gets cake_rmsnorm's dtype error, not torch.finfo's
+            eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 1e-6
         w = self.weight if self.weight is not None else self._ones
         return cake_rmsnorm(x, w, eps, residual, self.deterministic)
 
@@ -73,6 +76,9 @@ class MHC(nn.Module):
     branch output) and a mixing matrix near the identity (diagonal logits 4).
     The branch sees ``U`` with the leading dims of X: ``[..., C]``.
 
+    Arguments are checked here, at construction: ``hidden_size`` an int >= 1, ``sinkhorn_iters`` an int in 1..64,
+    ``rms_eps`` / ``hc_eps`` finite floats > 0, the flags bools. ``dtype``: the mapping's dtype (FP32 by default).
+
     Mixed precision: the mapping may be cast with the model (``model.to(torch.bfloat16)``, FSDP2's
     ``MixedPrecisionPolicy``); the ops compute in FP32 whatever its dtype and return its gradients in its dtype.
     ``keep_fp32_mapping=True`` keeps fn, scale and base FP32 through ``model.to(dtype)`` / ``.half()`` /
@@ -84,27 +90,31 @@ class MHC(nn.Module):
 
     def __init__(self, branch: nn.Module, hidden_size: int, n_streams: int = 4, *, sinkhorn_iters: int = 20,
                  rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, save_stats: bool = True,
-                 keep_fp32_mapping: bool = False, device=None):
+                 keep_fp32_mapping: bool = False, device=None, dtype=None):
         super().__init__()
         from . import _mhc_args
         from .meta import mhc_layout as layout
 
         _mhc_args.n_streams("n_streams", n_streams)
-        if not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"hidden_size: expected an int >= 1, got {hidden_size!r}")
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected an int >= 1 (C, the width of each stream), got {hidden_size!r}")
+        if not callable(branch):
+            raise TypeError(f"branch: expected an nn.Module (or a callable) mapping [..., C] to [..., C], "
+                            f"got {type(branch).__name__}")
         n, C = n_streams, hidden_size
         self.branch = branch
         self.hidden_size, self.n_streams = C, n
-        self.sinkhorn_iters, self.rms_eps, self.hc_eps = sinkhorn_iters, rms_eps, hc_eps
-        self.deterministic, self.save_stats = deterministic, save_stats
-        self.keep_fp32_mapping = keep_fp32_mapping
+        self.rms_eps, self.hc_eps, self.sinkhorn_iters = _mhc_args.hparams(rms_eps, hc_eps, sinkhorn_iters)
+        self.deterministic = _mhc_args.flag("deterministic", deterministic)
+        self.save_stats = _mhc_args.flag("save_stats", save_stats)
+        self.keep_fp32_mapping = _mhc_args.flag("keep_fp32_mapping", keep_fp32_mapping)
         M = layout.n_logits(n)
-        self.fn = nn.Parameter(torch.randn(M, n * C, device=device) / (n * C) ** 0.5)
-        self.scale = nn.Parameter(torch.full((3,), 0.01, device=device))
+        self.fn = nn.Parameter((torch.randn(M, n * C, device=device) / (n * C) ** 0.5).to(dtype or torch.float32))
+        self.scale = nn.Parameter(torch.full((3,), 0.01, device=device, dtype=dtype or torch.float32))
         base = torch.zeros(M, device=device)
         base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
         base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
-        self.base = nn.Parameter(base)
+        self.base = nn.Parameter(base.to(dtype or torch.float32))
 
     def _apply(self, fn, recurse=True):
         if not self.keep_fp32_mapping:
@@ -124,8 +134,12 @@ class MHC(nn.Module):
         if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
             got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
             hint = ""
-            if isinstance(X, torch.Tensor) and X.dim() >= 1 and X.shape[-1] == C and X.shape[-2:] != (n, C):
-                hint = "; widen the stream first with cakeops.nn.StreamExpand"
+            if isinstance(X, torch.Tensor) and X.dim() >= 3 and X.shape[-1] == C and X.shape[-2] != n:
+                hint = (f"; if its dim -2 holds {X.shape[-2]} residual streams, this MHC was built for "
+                        f"n_streams={n} (build it with n_streams={X.shape[-2]}); if {got} is a hidden state "
+                        f"[..., {C}] not yet widened, widen it first with cakeops.nn.StreamExpand({n})")
+            elif isinstance(X, torch.Tensor) and X.dim() >= 1 and X.shape[-1] == C:
+                hint = f"; widen the stream first with cakeops.nn.StreamExpand({n})"
             elif isinstance(X, torch.Tensor) and X.dim() >= 3 and X.shape[-2] == n:
                 hint = (f"; its hidden size {X.shape[-1]} is not the hidden_size={C} this MHC was built with "
                         f"(build it with hidden_size={X.shape[-1]}, or check what feeds it)")
@@ -139,11 +153,18 @@ class MHC(nn.Module):
             got = tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__
             raise ValueError(f"MHC: the branch must map [..., {C}] to [..., {C}]: given {tuple(U.shape)}, "
                              f"it returned {got}")
+        if B.dtype not in _checks.FLOAT_DTYPES:  # (another float dtype than U's is fine: autocast's bf16 branch)
+            raise ValueError(f"MHC: the branch must return bfloat16, float16 or float32: given {_dtype(U)}, it "
+                             f"returned {_dtype(B)}; cast its output (or the model) to one of them")
         return cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
                 f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 class StreamExpand(nn.Module):
@@ -171,8 +192,8 @@ class MHCHead(nn.Module):
     the head starts as (nearly) the plain mean: fn ~ N(0, 1/(n*C)), scale 0.01 (the projection barely moves the
     gates) and base = -log(n - 1), so every gate starts at sigmoid(base) + hc_eps = 1/n + hc_eps.
     ``n_streams``: 2, 4 or 8 (checked at construction; others raise NotImplementedError); None (the default)
-    lets the plain head take n from each input and gives the gated head 4. ``rms_eps``, ``hc_eps`` finite floats > 0; ``deterministic=False`` sums the
-    parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32 by default; the math is FP32
+    lets the plain head take n from each input and gives the gated head 4. ``rms_eps``, ``hc_eps`` finite floats
+    > 0; ``deterministic=False`` sums the parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32 by default; the math is FP32
     either way and their gradients come back in their dtype).
     """
 
@@ -215,8 +236,13 @@ class MHCHead(nn.Module):
         n, C = self.n_streams, self.hidden_size
         if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
             got = tuple(X.shape) if isinstance(X, torch.Tensor) else type(X).__name__
+            hint = ""
+            if isinstance(X, torch.Tensor) and X.dim() >= 3:
+                wrong = [f"{k}={v} (the input has {w})" for k, v, w in
+                         (("n_streams", n, X.shape[-2]), ("hidden_size", C, X.shape[-1])) if v != w]
+                hint = f"; this head was built with {' and '.join(wrong)}: build it to match the model's streams"
             raise ValueError(f"MHCHead: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), "
-                             f"got {got}")
+                             f"got {got}{hint}")
         return cake_mhc_train_gated_head(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
                                          hc_eps=self.hc_eps, deterministic=self.deterministic)
 

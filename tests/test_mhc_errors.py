@@ -136,3 +136,76 @@ def test_module_errors_speak_the_users_terms():
     wide = cakeops.nn.MHC(torch.nn.Identity(), hidden_size=16, device=DEVICE)
     with pytest.raises(ValueError, match=r"\[\.\.\., 4, 16\] \(n_streams, hidden_size\), got \(5, 4, 8\)"):
         wide(torch.randn(T, N, C, device=DEVICE))
+
+
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(hidden_size=True), ValueError, "hidden_size"),
+    (dict(hidden_size=0), ValueError, "hidden_size"),
+    (dict(sinkhorn_iters=0), ValueError, "sinkhorn_iters"),
+    (dict(sinkhorn_iters=2.5), TypeError, "sinkhorn_iters"),
+    (dict(sinkhorn_iters=65), NotImplementedError, "sinkhorn_iters"),
+    (dict(rms_eps=-1.0), ValueError, "rms_eps"),
+    (dict(hc_eps=float("nan")), ValueError, "hc_eps"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(save_stats=1), TypeError, "save_stats"),
+    (dict(keep_fp32_mapping=None), TypeError, "keep_fp32_mapping"),
+    (dict(branch=3), TypeError, "branch"),
+])
+def test_mhc_module_validates_its_arguments_at_construction(kwargs, exc, name):
+    import cakeops
+
+    kwargs = {"branch": torch.nn.Identity(), "hidden_size": C, **kwargs}
+    with pytest.raises(exc, match=rf"^{name}:"):
+        cakeops.nn.MHC(**kwargs)
+
+
+def test_mhc_module_dtype_gives_the_mapping_that_dtype():
+    import cakeops
+
+    block = cakeops.nn.MHC(torch.nn.Identity(), hidden_size=C, dtype=torch.bfloat16)
+    assert {p.dtype for p in block.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in cakeops.nn.MHC(torch.nn.Identity(), hidden_size=C).parameters()} == {torch.float32}
+
+
+def test_mhc_module_errors_name_the_streams_and_the_branch_dtype(backend):
+    """Another stream count than the module's says so (not "widen the stream"); an un-widened hidden state is told
+    to widen; a branch returning another dtype is told in the module's terms (the user never named a B)."""
+    import cakeops
+
+    block = cakeops.nn.MHC(torch.nn.Identity(), hidden_size=C, device=DEVICE)
+    with pytest.raises(ValueError, match=r"got \(5, 8, 8\); if its dim -2 holds 8 residual streams, this MHC was "
+                                         r"built for n_streams=4 \(build it with n_streams=8\)"):
+        block(torch.randn(5, 8, C, device=DEVICE))
+    with pytest.raises(ValueError, match=r"got \(6, 8\); widen the stream first with cakeops.nn.StreamExpand\(4\)"):
+        block(torch.randn(6, C, device=DEVICE))
+    to_double = cakeops.nn.MHC(lambda U: U.double(), hidden_size=C, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^MHC: the branch must return bfloat16, float16 or float32: given "
+                                         r"float32, it returned float64"):
+        to_double(torch.randn(T, N, C, device=DEVICE))
+
+
+def test_gated_head_shape_error_says_which_argument_differs():
+    import cakeops
+
+    head = cakeops.nn.MHCHead(gated=True, hidden_size=C, n_streams=4)
+    with pytest.raises(ValueError, match=r"built with n_streams=4 \(the input has 8\) and hidden_size=8 \(the input "
+                                         r"has 16\)"):
+        head(torch.randn(3, 8, 16))
+
+
+def test_float64_inputs_are_told_to_cast_and_integer_inputs_get_the_dtype_error():
+    import cakeops
+
+    with pytest.raises(ValueError, match=r"^X: expected dtype in .*got float64; float64 is not supported .*\.float\(\)"):
+        _prepare(X=_good()[0].double())
+    with pytest.raises(ValueError, match=r"^x: expected dtype in \(bfloat16, float16, float32\), got int32$"):
+        cakeops.nn.RMSNorm(16)(torch.ones(2, 16, dtype=torch.int32))
+
+
+def test_cpu_kernels_without_the_interpreter_say_what_to_set(monkeypatch):
+    from cakeops import _backend
+
+    monkeypatch.setattr(_backend, "_cpu_runs_triton", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"^CAKEOPS_CPU_KERNELS=triton .*TRITON_INTERPRET=1"):
+        _backend.use_triton(torch.ones(1))
