@@ -193,8 +193,8 @@ class MHCHead(nn.Module):
     gates) and base = -log(n - 1), so every gate starts at sigmoid(base) + hc_eps = 1/n + hc_eps.
     ``n_streams``: 2, 4 or 8 (checked at construction; others raise NotImplementedError); None (the default)
     lets the plain head take n from each input and gives the gated head 4. ``rms_eps``, ``hc_eps`` finite floats
-    > 0; ``deterministic=False`` sums the parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32 by default; the math is FP32
-    either way and their gradients come back in their dtype).
+    > 0; ``deterministic=False`` sums the parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32
+    by default; the math is FP32 either way and their gradients come back in their dtype).
     """
 
     def __init__(self, n_streams: Optional[int] = None, *, gated: bool = False, hidden_size: Optional[int] = None,
