@@ -239,11 +239,12 @@ class GatedHeadConfig:
             yield G(columns_loop_stages=stages)
         # a thread's columns in runs of 4 (columns_run): at n = 8 one warp then holds one stream's 128 columns, as at
         # n = 4, where the compiler's 16-byte runs put two streams on a warp (sm_90 builds, n = 8 bf16: 1 token a
-        # step 108-113 registers, 2 tokens 150-152, against the default's 255 with 36 bytes spilled)
+        # step 108-115 registers, 2 tokens 150-152 or 128 capped, against the default's 255 with 36 bytes spilled).
+        # Fewer tokens a step keep fewer bytes in flight per stage: the deeper loops make up for it
         for warps, elems, block_t, per_sm, loop_stages, maxnreg in (
-                (8, 1024, 1, 2, 4, None), (8, 1024, 1, 2, 6, None), (8, 1024, 2, 1, 4, None),
-                (8, 1024, 2, 2, 4, 128), (8, 1024, 2, 2, 3, 128), (4, 512, 1, 4, 4, None), (4, 512, 2, 4, 4, None),
-                (4, 512, 2, 3, 4, None)):
+                (8, 1024, 1, 2, 4, None), (8, 1024, 1, 2, 6, None), (8, 1024, 1, 2, 8, None), (8, 1024, 2, 1, 4, None),
+                (8, 1024, 2, 2, 4, 128), (8, 1024, 2, 2, 3, 128), (8, 1024, 2, 2, 6, 128), (4, 512, 1, 4, 4, None),
+                (4, 512, 2, 4, 4, None), (4, 512, 2, 3, 4, None)):
             yield G(columns_run=4, columns_warps=warps, columns_elems=elems, columns_block_t=block_t,
                     columns_per_sm=per_sm, columns_loop_stages=loop_stages, columns_maxnreg=maxnreg)
         # (n = 8 at 64 columns with a thread's columns in runs of 4, not 16 bytes (a tl.max_contiguous hint: the
