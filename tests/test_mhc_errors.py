@@ -202,10 +202,19 @@ def test_float64_inputs_are_told_to_cast_and_integer_inputs_get_the_dtype_error(
         cakeops.nn.RMSNorm(16)(torch.ones(2, 16, dtype=torch.int32))
 
 
-def test_cpu_kernels_without_the_interpreter_say_what_to_set(monkeypatch):
-    from cakeops import _backend
+def test_cpu_kernels_without_the_interpreter_say_what_to_set():
+    """A user's ``CAKEOPS_CPU_KERNELS=triton`` without ``TRITON_INTERPRET=1``: cakeops' message, not Triton's
+    "0 active drivers" (a fresh process: both are read at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    monkeypatch.setattr(_backend, "_cpu_runs_triton", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match=r"^CAKEOPS_CPU_KERNELS=triton .*TRITON_INTERPRET=1"):
-        _backend.use_triton(torch.ones(1))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CAKEOPS_CPU_KERNELS"] = "triton"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    script = "import torch, cakeops; cakeops.cake_rmsnorm(torch.ones(2, 8), torch.ones(8), 1e-6)"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "RuntimeError: CAKEOPS_CPU_KERNELS=triton runs the Triton kernels on CPU tensors" in done.stderr, done.stderr
+    assert "TRITON_INTERPRET=1" in done.stderr.splitlines()[-1]
