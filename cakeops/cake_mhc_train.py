@@ -18,7 +18,8 @@ in place, other layouts are copied once (by the ``*_impl`` entry, eager and comp
 the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
 Workspaces (``workspace=``, ``backward_workspace=``, ``cake_mhc_train_*_workspace[_bytes]``): FlashInfer's
 signatures; the layouts are cakeops' own (docs/design.md §2), sized for every token count up to T, zero-filled
-uint8 like FlashInfer's though the kernels need no zeroing; unused by the CPU reference and under torch.compile.
+uint8 like FlashInfer's though the kernels need no zeroing; size-checked everywhere, unused by the CPU reference
+and under torch.compile.
 cakeops' extensions to FlashInfer's signatures are keyword arguments only (``deterministic``, and
 ``sinkhorn_iters`` / ``deterministic`` of the backward workspace size); ``forward_stats`` still takes its
 older ``out=`` for ``stats_out=``.
@@ -62,15 +63,15 @@ def _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters):
 # FlashInfer-style functions
 # ---------------------------------------------------------------------------------------------
 def _workspace_for(name: str, workspace, X: Tensor, need, helper: str) -> Optional[Tensor]:
-    """The caller's workspace as checked uint8 bytes. Its size is checked where the kernels run (the reference
-    math, CPU tensors without the interpreter, leaves it unused); ``need()`` gives the bytes this call carves."""
+    """The caller's workspace as checked uint8 bytes; ``need()`` gives the bytes this call carves. Its size is
+    checked on the reference path too (CPU tensors without the interpreter, which leave it unused), so that code
+    written on a CPU fails there as it would on the GPU."""
     if workspace is None:
         return None
-    from . import _backend, _workspace
+    from . import _workspace
 
     ws = _workspace.as_bytes(name, workspace, X.device)
-    if _backend.use_triton(X):
-        _workspace.check_size(name, ws, need(), helper)
+    _workspace.check_size(name, ws, need(), helper)
     return ws
 
 

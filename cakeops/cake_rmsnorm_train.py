@@ -255,12 +255,11 @@ def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Op
 
 
 def _workspace_for_backward(workspace, x: Tensor) -> Tensor:
-    """The caller's workspace as the FP32 dw partials the kernels write (size checked where they run)."""
-    from . import _backend, _workspace
+    """The caller's workspace as the FP32 dw partials the kernels write (its size checked on the reference path
+    too, which leaves it unused: code written on a CPU fails there as it would on the GPU)."""
+    from . import _workspace
 
     ws = _workspace.as_bytes("workspace", workspace, x.device)
-    if not _backend.use_triton(x):
-        return ws[:ws.numel() // 4 * 4].view(torch.float32)  # the reference math leaves it unused
     need = 4 * cake_rmsnorm_train_workspace_numel(x.numel() // x.shape[-1], x.shape[-1], x.device, x.dtype)
     _workspace.check_size("workspace", ws, need, "cake_rmsnorm_train_backward_workspace(rows, hidden, device)")
     return ws[:need].view(torch.float32)

@@ -223,7 +223,8 @@ def test_the_forward_workspace_size_follows_the_gpus_slicing_rule(monkeypatch):
                         assert need <= size, (n, t, H, dtype, base)
 
 
-def test_workspace_errors_say_what_is_needed(triton_kernels):
+def test_workspace_errors_say_what_is_needed(backend):
+    """The same errors through the kernels and the reference math (which leaves a workspace unused)."""
     X, fn, scale, base = _inputs()
     with pytest.raises(ValueError, match=r"^workspace: this call needs \d+ bytes of workspace, got 16; "
                                          r"allocate it with cake_mhc_train_forward_workspace"):

@@ -78,7 +78,6 @@ def _dx_stream_kernel(
     stride_xt, stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_st, stride_dxt, stride_dxi,
     N: tl.constexpr, M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr, FN_K_MAJOR: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
-    STREAMS: tl.constexpr = 1,
 ):
     """Kernel B as a GEMM per output stream (``FinishConfig(dx_by_stream=True)``, n = 8's default): a program
     writes dX[t, i, c] for one stream i over [BLOCK_T, BLOCK_C], the same value as _dx_tile's
@@ -86,11 +85,9 @@ def _dx_stream_kernel(
     dz[:, k:k+BLOCK_K] @ fn[k:k+BLOCK_K, i*C + c] over k < M: n = 8's 80 logits in 5 steps of 16 instead of a dot
     padded to 128, the tokens as the MMA's rows (wgmma on sm_90), no tile holding every stream. i is the grid's
     fastest axis, so the n programs of a block re-read dY, dU and dz from L2; GROUP_T token blocks are walked
-    before the next column block, so fn's columns are re-read from L2 too.
-    STREAMS: output streams per program, 1 or N. With N the tile's columns are (stream, column) pairs,
-    [BLOCK_T, N * BLOCK_C]: a program reads dY's, dU's and dz's tiles from L2 once for all streams and runs one MMA
-    of N * BLOCK_C columns a logit step (``FinishConfig.stream_per_program``; an H200 prototype of it at n = 2 took
-    520 us against _dx_kernel's 631, and lost at n = 4 and 8, 2026-12-03).
+    before the next column block, so fn's columns are re-read from L2 too. (Every stream of a block in one
+    program, dY / dU / dz read once, lost on the H200: n = 2 backward_finish 1.23-1.57 ms against 1.006 with
+    _dx_kernel, n = 4 and 8 slower still; 2026-12-03/04, docs/perf.md.)
     FN_K_MAJOR: FN is fn^T [n*C, M] (stride_fn its row stride), written by _transpose_kernel: the MMA's fn operand
     then goes to shared memory as it is loaded, where fn [M, n*C] is transposed by scalar stores with 8-way bank
     conflicts (60 % of the kernel's shared-memory wavefronts; H200, n = 8, T = 8192: 1302 -> 1198 us, dX bitwise
@@ -99,10 +96,10 @@ def _dx_stream_kernel(
     next steps are copied to shared memory asynchronously (cp.async) while a step's wgmma runs, where a step of the
     unrolled loop waited on its own global loads and then on its MMA (H200, n = 8, T = 8192, 3 stages at 64 x 128
     of 8 warps: 1142 -> 1025 us, dX bitwise equal, 2026-12-03)."""
+    M: tl.constexpr = 2 * N + N * N
     c_blocks = tl.cdiv(C, BLOCK_C)
     pid = tl.program_id(0)
-    GROUPS: tl.constexpr = N // STREAMS
-    blk = pid // GROUPS
+    blk = pid // N
     t_blocks = tl.cdiv(T, BLOCK_T)
     per_group = GROUP_T * c_blocks
     g = blk // per_group
@@ -111,74 +108,36 @@ def _dx_stream_kernel(
     tb = first_t + (blk % per_group) % rows
     cb = (blk % per_group) // rows
     t = tb * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
-    q = tl.arange(0, STREAMS * BLOCK_C)
-    i_first = (pid % GROUPS) * STREAMS
-    i = i_first + q[None, :] // BLOCK_C  # the stream of each column (one: the loop below's i stands for it)
-    c = cb * BLOCK_C + q[None, :] % BLOCK_C
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     t_ok = t < T
     c_ok = c < C
     mask = t_ok & c_ok
     t64 = t.to(tl.int64)
     s_row = STATS + t64 * stride_st
-    s = tl.load(DZ + t64 * M_PAD + 2 * N + N * N, mask=t_ok, other=0.0)
-    if STREAMS == 1:
-        # One stream per program, as a loop of one iteration: the H200 runs this form 25 % faster than the same
-        # body without the loop (triton 3.6, 64 x 64 tiles: 2.62 against 3.46 ms; the launcher's num_stages=1 keeps
-        # the loop unpipelined, 2 stages took 4.66), the instruction mix being the same.
-        for i in range(i_first, i_first + 1):
-            _dx_stream_tile(X, DY, DU, FN, s_row, s, DZ, DX, C, i, i_first, cb, c, c_ok, t_ok, mask, t64, stride_xt,
-                            stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_dxt, stride_dxi, N, M_PAD,
-                            PRECISION, BLOCK_C, BLOCK_K, FN_K_MAJOR, K_STAGES, STREAMS)
-    else:
-        _dx_stream_tile(X, DY, DU, FN, s_row, s, DZ, DX, C, i, i_first, cb, c, c_ok, t_ok, mask, t64, stride_xt,
-                        stride_xi, stride_dyt, stride_dyi, stride_ut, stride_fn, stride_dxt, stride_dxi, N, M_PAD,
-                        PRECISION, BLOCK_C, BLOCK_K, FN_K_MAJOR, K_STAGES, STREAMS)
-
-
-@triton.jit
-def _stream_coef(row, i, i_first, t_ok, STRIDE: tl.constexpr, STREAMS: tl.constexpr):
-    """row[i * STRIDE] per token ([BLOCK_T, 1] pointers) for the tile's output streams: one load, or (i per
-    column) one load per stream, selected per column."""
-    if STREAMS == 1:
-        return tl.load(row + i * STRIDE, mask=t_ok, other=0.0)
-    v = tl.load(row + i_first * STRIDE, mask=t_ok, other=0.0)
-    for k in tl.static_range(1, STREAMS):
-        v = tl.where(i == i_first + k, tl.load(row + (i_first + k) * STRIDE, mask=t_ok, other=0.0), v)
-    return v
-
-
-@triton.jit
-def _dx_stream_tile(X, DY, DU, FN, s_row, s, DZ, DX, C, i, i_first, cb, c, c_ok, t_ok, mask, t64, stride_xt, stride_xi,
-                    stride_dyt, stride_dyi, stride_ut, stride_fn, stride_dxt, stride_dxi, N: tl.constexpr,
-                    M_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-                    FN_K_MAJOR: tl.constexpr, K_STAGES: tl.constexpr, STREAMS: tl.constexpr):
-    """_dx_stream_kernel's tile: i / c the stream and column of each tile column (i a scalar for one stream), cb
-    the column block; s_row the tokens' stats rows, s their scalar s."""
-    M: tl.constexpr = 2 * N + N * N
+    s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
     kk = tl.arange(0, BLOCK_K)
-    x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
-    du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
-    dx = _stream_coef(s_row + PRE(N), i, i_first, t_ok, 1, STREAMS) * du - x * s
-    for j in tl.static_range(N):
-        dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
-        dx += _stream_coef(s_row + COMB(N) + j, i, i_first, t_ok, N, STREAMS) * dy
-    for k0 in tl.range(0, M, BLOCK_K, num_stages=K_STAGES):
-        k = k0 + kk
-        dz = tl.load(DZ + t64 * M_PAD + k[None, :], mask=t_ok & (k < M)[None, :], other=0.0)
-        if FN_K_MAJOR:  # fn^T's rows i * C + c as a column
-            if STREAMS == 1:
+    # One stream per program, as a loop of one iteration: the H200 runs this form 25 % faster than the same body
+    # without the loop (triton 3.6, 64 x 64 tiles: 2.62 against 3.46 ms; the launcher's num_stages=1 keeps the
+    # loop unpipelined, 2 stages took 4.66), the instruction mix being the same.
+    i_first = pid % N
+    for i in range(i_first, i_first + 1):
+        x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
+        du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
+        dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
+        for j in tl.static_range(N):
+            dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)
+            dx += tl.load(s_row + COMB(N) + i * N + j, mask=t_ok, other=0.0) * dy
+        for k0 in tl.range(0, M, BLOCK_K, num_stages=K_STAGES):
+            k = k0 + kk
+            dz = tl.load(DZ + t64 * M_PAD + k[None, :], mask=t_ok & (k < M)[None, :], other=0.0)
+            if FN_K_MAJOR:
                 c_rows = cb * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
-                fn_rows = i * C + c_rows
+                fn = tl.trans(tl.load(FN + (i * C + c_rows).to(tl.int64) * stride_fn + k[None, :],
+                                      mask=(c_rows < C) & (k < M)[None, :], other=0.0))
             else:
-                q_rows = tl.arange(0, STREAMS * BLOCK_C)[:, None]
-                c_rows = cb * BLOCK_C + q_rows % BLOCK_C
-                fn_rows = (i_first + q_rows // BLOCK_C) * C + c_rows
-            fn = tl.trans(tl.load(FN + fn_rows.to(tl.int64) * stride_fn + k[None, :],
-                                  mask=(c_rows < C) & (k < M)[None, :], other=0.0))
-        else:
-            fn = tl.load(FN + k[:, None] * stride_fn + i * C + c, mask=(k < M)[:, None] & c_ok, other=0.0)
-        dx = tl.dot(dz, fn, dx, input_precision=PRECISION)
-    tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask)
+                fn = tl.load(FN + k[:, None] * stride_fn + i * C + c, mask=(k < M)[:, None] & c_ok, other=0.0)
+            dx = tl.dot(dz, fn, dx, input_precision=PRECISION)
+        tl.store(DX + t64 * stride_dxt + i * stride_dxi + c, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -132,8 +132,6 @@ class FinishConfig:
     stream_fn_k_major: bool = False  # _dx_stream_kernel: fn read from its transpose (FN_K_MAJOR; a workspace region)
     stream_maxnreg: Optional[int] = None  # _dx_stream_kernel: register cap per thread
     stream_k_stages: int = 1     # _dx_stream_kernel: pipeline stages of its logit steps (K_STAGES; 1: none)
-    stream_per_program: int = 1  # _dx_stream_kernel: output streams per program, 1 or n (STREAMS: n's columns
-    #                              side by side in one tile, dY / dU / dz read once per program)
     input_precision: Optional[str] = None  # the projections through fn: None = "tf32x3" for fp32 X, else "tf32"
     streams: Optional[int] = None  # set by for_streams(n): every field already holds n's value, resolve(n) keeps it
 
@@ -156,20 +154,11 @@ class FinishConfig:
 
     @staticmethod
     def candidates(n: int = layout.N_STREAMS):
-        """The tuner's variants besides the default for n streams: n = 8 has its own (_wide_candidates), n = 2
-        kernel B with all streams in a program and then n = 4's list, n = 4 its list (kernel A keeps SINKHORN_TILE:
-        see mhc_math.py)."""
+        """The tuner's variants besides the default for n streams: n = 8 has its own (_wide_candidates), every
+        other n n = 4's list (kernel A keeps SINKHORN_TILE: see mhc_math.py)."""
         if n > layout.N_STREAMS:
             yield from _wide_candidates(n)
             return
-        if n < layout.N_STREAMS:
-            # kernel B as n = 8's GEMM with every stream in one program (sm_90 builds at n = 2, bf16: 64 tokens x
-            # 2 x 64 columns of 8 warps 64 registers, 28 KB shared, 4 programs per SM; of 4 warps 132; 2 x 32 columns
-            # of 4 warps 64; 128 tokens of 8 warps 128; no spills). A prototype of the first took 520 us on an H200
-            # against _dx_kernel's 631 (T = 32768, C = 4096, 2026-12-03); the kernel's own form not yet timed.
-            for block_t, block_c, warps in ((64, 64, 8), (64, 64, 4), (64, 32, 4), (128, 64, 8)):
-                yield FinishConfig.for_streams(n, dx_by_stream=True, stream_per_program=n, stream_block_t=block_t,
-                                               stream_block_c=block_c, stream_warps=warps)
         # kernel B: programs per SM; taller token blocks and wider columns (all slower on the H200, 2026-11-29:
         # 16 x 64 tiles at 4 programs / SM hold fn's columns in registers for the whole token range)
         for block_t, block_c, warps, per_sm in ((16, 64, 4, 3), (16, 64, 4, 6), (32, 64, 4, 2), (16, 128, 8, 2)):
@@ -468,13 +457,11 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             fast(_transpose_kernel)[(cdiv(n * C, 64),)](fn, fn_b, M, n * C, fn.stride(0), M,
                                                          BLOCK_R=next_power_of_2(M), BLOCK_K=64, num_warps=4)
             strides = strides[:5] + (fn_b.stride(0),) + strides[6:]
-        assert cfg.stream_per_program in (1, n), "stream_per_program: 1 or n"
-        groups = n // cfg.stream_per_program
-        fast(_dx_stream_kernel)[(groups * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
+        fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
             X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
             N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
             BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            K_STAGES=cfg.stream_k_stages, STREAMS=cfg.stream_per_program, num_warps=cfg.stream_warps, num_stages=1,
+            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1,
             **register_cap(cfg.stream_maxnreg),
         )
     else:

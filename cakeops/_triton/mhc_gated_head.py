@@ -172,8 +172,6 @@ class GatedHeadConfig:
     columns_splits: Optional[int] = None
     columns_prefetch: Optional[bool] = None  # the next block's loads issued by hand before its FMAs (None: off)
     columns_loop_stages: Optional[int] = None  # the token loop's software pipeline (tl.range's num_stages; None: 4)
-    columns_run: int = 0             # dfn="columns": a thread's columns in runs of this many (0: the compiler's)
-    columns_maxnreg: Optional[int] = None  # dfn="columns": register cap per thread
     dfn_block_t: int = 64            # separate dfn kernel: tokens per step of the GEMM's K loop
     dfn_block_c: int = 256           # separate dfn kernel: columns of one stream per program
     dfn_warps: int = 4
@@ -237,16 +235,10 @@ class GatedHeadConfig:
         yield G(columns_loop_stages=1, columns_prefetch=True)
         for stages in (2, 3, 5):
             yield G(columns_loop_stages=stages)
-        # a thread's columns in runs of 4 (columns_run): at n = 8 one warp then holds one stream's 128 columns, as at
-        # n = 4, where the compiler's 16-byte runs put two streams on a warp (sm_90 builds, n = 8 bf16: 1 token a
-        # step 108-115 registers, 2 tokens 150-152 or 128 capped, against the default's 255 with 36 bytes spilled).
-        # Fewer tokens a step keep fewer bytes in flight per stage: the deeper loops make up for it
-        for warps, elems, block_t, per_sm, loop_stages, maxnreg in (
-                (8, 1024, 1, 2, 4, None), (8, 1024, 1, 2, 6, None), (8, 1024, 1, 2, 8, None), (8, 1024, 2, 1, 4, None),
-                (8, 1024, 2, 2, 4, 128), (8, 1024, 2, 2, 3, 128), (8, 1024, 2, 2, 6, 128), (4, 512, 1, 4, 4, None),
-                (4, 512, 2, 4, 4, None), (4, 512, 2, 3, 4, None)):
-            yield G(columns_run=4, columns_warps=warps, columns_elems=elems, columns_block_t=block_t,
-                    columns_per_sm=per_sm, columns_loop_stages=loop_stages, columns_maxnreg=maxnreg)
+        # (a thread's columns in runs of 4 at 128 columns of 8 warps, one stream per warp at n = 8 as at n = 4, 1-2
+        # tokens a step at 3-8 loop stages, capped at 128 registers or not, and 512 elements of 4 warps: n = 8
+        # T = 8192 0.720-0.883 ms against the default's 0.625, n = 4 T = 16384 0.598-0.703 against 0.521, H200
+        # 2026-12-04, docs/perf.md; removed)
         # (n = 8 at 64 columns with a thread's columns in runs of 4, not 16 bytes (a tl.max_contiguous hint: the
         # tokens stay in registers, 96-168 registers, 3-5 per SM): 0.695-0.862 ms against the default's 0.678 at
         # T = 8192, H200 2026-12-03 (fifth session, docs/perf.md); removed)
@@ -484,8 +476,7 @@ def _columns_tiles(X, DY, block, T, i3, c3, c_ok, stride_xt, stride_xi, stride_d
 def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                             stride_xt, stride_xi, stride_dyt, stride_fn, stride_dxt, stride_dxi,
                             N: tl.constexpr, M_PAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr = 1,
-                            COL_RUN: tl.constexpr = 0):
+                            BLOCK_C: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr = 1):
     """dX and dfn in one pass over X (``GatedHeadConfig.dfn="columns"``): one column block of every stream over a
     range of token blocks, as FMAs (the projection has only n terms per element). [N, BLOCK_T, BLOCK_C] tiles:
     threads own columns, warps own streams and the token axis stays in registers (sm_90 build, triton 3.6: no
@@ -498,10 +489,7 @@ def _head_dx_columns_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_spli
     cover DRAM's latency. PREFETCH: the next block's x and dY loaded by hand (as stored, 16-bit) before this block's
     FMAs (n = 4's form until 2026-12-03)."""
     i3 = tl.arange(0, N)[:, None, None]
-    cols = tl.arange(0, BLOCK_C)
-    if COL_RUN:
-        cols = tl.max_contiguous(cols, COL_RUN)
-    c3 = tl.program_id(0) * BLOCK_C + cols[None, None, :]
+    c3 = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
     c_ok = c3 < C
     fns = ()
     dfns = ()
@@ -633,8 +621,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
             N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=plan.dx.block_c, PREFETCH=prefetch,
-            LOOP_STAGES=loop_stages, COL_RUN=cfg.columns_run, num_warps=cfg.columns_warps,
-            **pipeline_stages(cfg.columns_stages), **register_cap(cfg.columns_maxnreg),
+            LOOP_STAGES=loop_stages, num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
