@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _traced
 from . import _mhc_args as args
 from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
@@ -71,6 +71,8 @@ def _workspace_for(name: str, workspace, X: Tensor, need, helper: str) -> Option
     from . import _workspace
 
     ws = _workspace.as_bytes(name, workspace, X.device)
+    if _traced.compiling():
+        return None  # unused: Inductor plans the scratch (cakeops/_traced.py)
     _workspace.check_size(name, ws, need(), helper)
     return ws
 
@@ -134,6 +136,8 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.stats_width(n)), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
+    if _traced.compiling():
+        return _traced.mhc_prepare(X, fn, scale, base, hp, out, stats_out)
     return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out, workspace=ws)
 
 
@@ -165,6 +169,8 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     stats_out = out_tensor(name, stats_out, shape=(X.shape[0], layout.stats_width(X.shape[1])), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
+    if _traced.compiling():
+        return _traced.mhc_stats(X, fn, scale, base, hp, stats_out)
     return ops.prepare_impl(X, fn, scale, base, *hp, stats=stats_out, write_U=False, workspace=ws)[1]
 
 
@@ -192,6 +198,8 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     args.like("B", B, X, (T, C))
     args.stats("stats", stats, X, layout.stats_width(n))
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
+    if _traced.compiling():
+        return _traced.mhc_finish(X, B, stats, out)
     return ops.finish_impl(X, B, stats, out)
 
 
@@ -209,6 +217,8 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     args.streams("X", X)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
+    if _traced.compiling():
+        return _traced.mhc_head_forward(X, out)
     return ops.head_forward_impl(X, out)
 
 
@@ -234,6 +244,8 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
     dX = out_tensor("dX", dX, shape=(T, n, C), dtype=dY.dtype, device=dY.device)
     if accumulate and dX is None:
         raise ValueError("dX: accumulate=True needs the dX to add into")
+    if _traced.compiling():
+        return _traced.mhc_head_backward(dY, n, dX, accumulate)
     return ops.head_backward_impl(dY, n, dX, accumulate)
 
 
@@ -267,8 +279,9 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
     grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.grad_stats_width(n)),
                                 dtype=torch.float32, device=X.device)
-    return ops.backward_prepare_impl(dY, B, X, stats,
-                                     dB, grad_stats_out)
+    if _traced.compiling():
+        return _traced.mhc_backward_prepare(dY, B, X, stats, dB, grad_stats_out)
+    return ops.backward_prepare_impl(dY, B, X, stats, dB, grad_stats_out)
 
 
 def _check_branch_output(name: str, B, X: Tensor) -> None:
@@ -330,6 +343,9 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into")
     ws = _workspace_for("workspace", workspace, X, _backward_need(X, hp[2], deterministic), _BWD_HELPER)
+    if _traced.compiling():
+        return _traced.mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, hp, deterministic,
+                                           accumulate, (dX, dfn, dscale, dbase))
     return ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, *hp,
                                     deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
                                     dscale=dscale, dbase=dbase, workspace=ws)
@@ -691,6 +707,8 @@ def cake_mhc_train_gated_head_forward(X: Tensor, fn: Tensor, scale: Tensor, base
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, head_layout.HEAD_STATS_WIDTH), dtype=torch.float32,
                            device=X.device)
+    if _traced.compiling():
+        return _traced.gated_head_forward(X, fn, scale, base, hp, out, stats_out)
     return head_ops.forward_impl(X, fn, scale, base, *hp, Y=out, stats=stats_out)
 
 
@@ -729,6 +747,9 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into; pass all three "
                          "(FP32, contiguous) or accumulate=False")
+    if _traced.compiling():
+        return _traced.gated_head_backward(dY, X, fn, scale, base, stats, hp, deterministic, accumulate,
+                                           (dX, dfn, dscale, dbase))
     return head_ops.backward_impl(dY, X, fn, scale, base, stats, *hp, deterministic=deterministic,
                                   accumulate=accumulate, dX=dX, dfn=dfn, dscale=dscale, dbase=dbase)
 

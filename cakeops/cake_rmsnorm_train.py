@@ -16,7 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _traced
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
@@ -92,11 +92,13 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
     rstd = _checks.out_tensor("rstd", rstd, shape=x.shape[:-1], dtype=torch.float32, device=x.device)
     residual_out = _checks.out_tensor("residual_out", residual_out, shape=x.shape, dtype=x.dtype, device=x.device)
     H = x.shape[-1]
-    outs = ops.forward_impl(
-        _rows(x), w, eps, None if residual is None else _rows(residual),
-        None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
-        None if residual_out is None else residual_out.view(-1, H),
-    )
+    buffers = (None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
+               None if residual_out is None else residual_out.view(-1, H))
+    rows_in = (_rows(x), w, eps, None if residual is None else _rows(residual))
+    if _traced.compiling():
+        outs = _traced.rmsnorm_forward(*rows_in, buffers[:2] if residual is None else buffers)
+    else:
+        outs = ops.forward_impl(*rows_in, *buffers)
     # Hand back the caller's own buffers where given (not views of them).
     y = out if out is not None else outs[0].view(x.shape)
     r = rstd if rstd is not None else outs[1].view(x.shape[:-1])
@@ -148,11 +150,13 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     dx = _checks.out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
     dw = _checks.out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
     H = x.shape[-1]
-    ddx, ddw = ops.backward_impl(
-        _rows(g), _rows(x), w, rstd.reshape(-1).contiguous(),
-        None if g_residual is None else _rows(g_residual), deterministic, workspace,
-        None if dx is None else dx.view(-1, H), dw,
-    )
+    rows_in = (_rows(g), _rows(x), w, rstd.reshape(-1).contiguous(), None if g_residual is None else _rows(g_residual),
+               deterministic)
+    buffers = (None if dx is None else dx.view(-1, H), dw)
+    if _traced.compiling():
+        ddx, ddw = _traced.rmsnorm_backward(*rows_in, buffers)
+    else:
+        ddx, ddw = ops.backward_impl(*rows_in, workspace, *buffers)
     return (dx if dx is not None else ddx.view(x.shape)), ddw
 
 
@@ -260,6 +264,8 @@ def _workspace_for_backward(workspace, x: Tensor) -> Tensor:
     from . import _workspace
 
     ws = _workspace.as_bytes("workspace", workspace, x.device)
+    if _traced.compiling():
+        return None  # unused: Inductor plans the scratch (cakeops/_traced.py)
     need = 4 * cake_rmsnorm_train_workspace_numel(x.numel() // x.shape[-1], x.shape[-1], x.device, x.dtype)
     _workspace.check_size("workspace", ws, need, "cake_rmsnorm_train_backward_workspace(rows, hidden, device)")
     return ws[:need].view(torch.float32)
