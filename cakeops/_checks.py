@@ -35,7 +35,9 @@ def positive_float(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
     v = float(v)
-    if not math.isfinite(v) or v <= 0.0:
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float argument is symbolic, and a
+    # comparison becomes a guard on its value where math.isfinite cannot be traced (NaN fails both comparisons)
+    if not 0.0 < v < math.inf:
         raise ValueError(f"{name}: expected a finite value > 0, got {v}")
     return v
 

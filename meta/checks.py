@@ -35,7 +35,7 @@ def tensor(op: str, name: str, t, *, ndim=None, shape=None, dtypes=None, device=
 
 
 def positive(op: str, name: str, v) -> None:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+    if not (isinstance(v, (int, float)) and 0 < v < math.inf):  # comparisons: v may be symbolic (dynamic=True)
         raise ValueError(f"{op}: {name}: expected a finite value > 0, got {v!r}")
 
 
