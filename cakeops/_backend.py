@@ -7,6 +7,7 @@ how the kernels themselves are tested on machines without a GPU (the tests switc
 ``cpu_kernels``; ``conftest.py`` sets ``TRITON_INTERPRET=1``).
 """
 import contextlib
+import functools
 import os
 
 import torch
@@ -68,3 +69,21 @@ def device_switch(t: torch.Tensor):
     if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return None
+
+
+class AutocastOff:
+    """A reference-math module (``cakeops.reference``) whose functions run with CPU autocast off: the CPU path
+    computes in FP32 as the kernels do, inside a ``torch.autocast("cpu", dtype=torch.bfloat16)`` region too, where
+    autocast would otherwise run the projection's and the mixing's matmuls in bf16 (an mHC layer's U 2e-2 off)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with torch.autocast("cpu", enabled=False):
+                return fn(*args, **kwargs)
+        return run

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _traced
+from ._first_order import first_order
 from . import _mhc_args as args
 from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
@@ -486,6 +487,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
         return (U,) + fake.edges(X)
 
     @staticmethod
+    @first_order("cakeops mHC layer (nn.MHC, cake_mhc_train_prepare)")
     def backward(ctx, dU, dY, grad_stats):
         X, fn, scale, base, *kept = ctx.saved_tensors
         state = ctx.state
@@ -519,6 +521,7 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
         return Y
 
     @staticmethod
+    @first_order("cakeops mHC layer (nn.MHC, cake_mhc_train_finish)")
     def backward(ctx, dY):
         X, B, *kept = ctx.saved_tensors
         state = ctx.state
@@ -541,6 +544,7 @@ class CakeMHCTrainHeadFunction(torch.autograd.Function):
         return ops.head_forward_impl(X)
 
     @staticmethod
+    @first_order("cakeops mHC head (nn.MHCHead)")
     def backward(ctx, dY):
         return ops.head_backward(ops.head_backward_impl, dY, ctx.n)
 
@@ -768,6 +772,7 @@ class CakeMHCTrainGatedHeadFunction(torch.autograd.Function):
         return Y
 
     @staticmethod
+    @first_order("cakeops gated mHC head (nn.MHCHead(gated=True))")
     def backward(ctx, dY):
         X, fn, scale, base, stats = ctx.saved_tensors
         return head_ops.gated_head_backward(head_ops.backward_impl, dY, X, fn, scale, base, stats, ctx.hparams,

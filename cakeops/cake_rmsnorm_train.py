@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _traced
+from ._first_order import first_order
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
@@ -199,6 +200,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
         return outs[0]
 
     @staticmethod
+    @first_order("cakeops RMSNorm")
     def backward(ctx, grad_y, grad_h=None):
         h, w, rstd = ctx.saved_tensors
         # The inputs were checked by the forward: straight to the kernels, dw in w's dtype from the reduction.

@@ -218,3 +218,25 @@ def test_cpu_kernels_without_the_interpreter_say_what_to_set():
     assert done.returncode != 0
     assert "RuntimeError: CAKEOPS_CPU_KERNELS=triton runs the Triton kernels on CPU tensors" in done.stderr, done.stderr
     assert "TRITON_INTERPRET=1" in done.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "mhc", "head", "gated head"])
+def test_double_backward_raises_instead_of_wrong_numbers(backend, name):
+    """The gradients are first order: a backward with create_graph=True (for a Hessian-vector product) raises on
+    every path, naming the layer. The reference path returned a differentiable first gradient whose second
+    derivative was wrong (RMSNorm: 1.5 against torch's 1e-5 on one case), the interpreter an error that did not
+    say why."""
+    import cakeops
+
+    torch.manual_seed(3)
+    C = 16
+    models = {"rmsnorm": (cakeops.nn.RMSNorm(C), (3, C)),
+              "mhc": (cakeops.nn.MHC(torch.nn.Linear(C, C), hidden_size=C), (3, 4, C)),
+              "head": (cakeops.nn.MHCHead(), (3, 4, C)),
+              "gated head": (cakeops.nn.MHCHead(gated=True, n_streams=4, hidden_size=C), (3, 4, C))}
+    model, shape = models[name]
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"backward is first order; a backward with create_graph=True"):
+        torch.autograd.grad(model.to(DEVICE)(x).pow(2).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(model(x).pow(2).sum(), x)  # first order as before
+    assert g.shape == x.shape and not g.requires_grad

@@ -11,11 +11,13 @@ from cakeops.meta import mhc_gated_head as fake
 from cakeops.meta import mhc_head_layout as layout
 
 from .. import _backend
-from ..reference import mhc_gated_head as reference
+from ..reference import mhc_gated_head as reference_math
 from . import inductor
 from .determinism import alert_not_deterministic
 from .mhc import empty_tokens, flat, fp32_params, param_grad_buffers, store_reference_grads, unflat
 from .strides import unit_last
+
+reference = _backend.AutocastOff(reference_math)  # the CPU path: FP32 inside autocast regions too
 
 
 def forward_impl(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,

@@ -13,10 +13,12 @@ from cakeops.meta import checks
 from cakeops.meta import rmsnorm as fake
 
 from .. import _backend
-from ..reference import rmsnorm as reference
+from ..reference import rmsnorm as reference_math
 from . import inductor
 from .determinism import alert_not_deterministic
 from .strides import unit_last
+
+reference = _backend.AutocastOff(reference_math)  # the CPU path: FP32 inside autocast regions too
 
 
 _kernels = None
