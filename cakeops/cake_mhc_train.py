@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _traced
-from ._first_order import first_order
+from ._function import EagerFunction, first_order
 from . import _mhc_args as args
 from ._checks import FLOAT_DTYPES, out_tensor, tensor
 from ._ops import mhc as ops
@@ -469,12 +469,13 @@ class _LayerState:
         return functools.partial(ops.backward_finish_impl, workspace=self.backward_workspace)
 
 
-class CakeMHCTrainPrepareFunction(torch.autograd.Function):
+class CakeMHCTrainPrepareFunction(EagerFunction):
     """``forward(ctx, X, fn, scale, base, state) -> (U, edge_dY, edge_grad_stats)``.
 
     The edges hold no data (all strides 0); the finish node takes them as inputs and returns ``dY`` and
     ``grad_stats`` as their gradients, so this node's backward sees ``dU, dY, grad_stats`` and writes X's
     whole gradient once."""
+    what = "cakeops mHC layer (nn.MHC, cake_mhc_train_prepare)"
 
     @staticmethod
     def forward(ctx, X, fn, scale, base, state: _LayerState):
@@ -487,7 +488,7 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
         return (U,) + fake.edges(X)
 
     @staticmethod
-    @first_order("cakeops mHC layer (nn.MHC, cake_mhc_train_prepare)")
+    @first_order(what)
     def backward(ctx, dU, dY, grad_stats):
         X, fn, scale, base, *kept = ctx.saved_tensors
         state = ctx.state
@@ -503,9 +504,10 @@ class CakeMHCTrainPrepareFunction(torch.autograd.Function):
                                     state.hparams, state.deterministic) + (None,)
 
 
-class CakeMHCTrainFinishFunction(torch.autograd.Function):
+class CakeMHCTrainFinishFunction(EagerFunction):
     """``forward(ctx, X, B, state, *edges) -> Y``. Its backward returns no gradient for X: ``dY`` and
     ``grad_stats`` go to the prepare node through the edges."""
+    what = "cakeops mHC layer (nn.MHC, cake_mhc_train_finish)"
 
     @staticmethod
     def forward(ctx, X, B, state: _LayerState, *edges):
@@ -521,7 +523,7 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
         return Y
 
     @staticmethod
-    @first_order("cakeops mHC layer (nn.MHC, cake_mhc_train_finish)")
+    @first_order(what)
     def backward(ctx, dY):
         X, B, *kept = ctx.saved_tensors
         state = ctx.state
@@ -534,8 +536,9 @@ class CakeMHCTrainFinishFunction(torch.autograd.Function):
         return ops.finish_backward(ops.backward_prepare_impl, X, B, stats, dY)
 
 
-class CakeMHCTrainHeadFunction(torch.autograd.Function):
+class CakeMHCTrainHeadFunction(EagerFunction):
     """The model's final collapse ``Y = mean over streams``; saves no tensor."""
+    what = "cakeops mHC head (nn.MHCHead)"
 
     @staticmethod
     def forward(ctx, X):
@@ -544,7 +547,7 @@ class CakeMHCTrainHeadFunction(torch.autograd.Function):
         return ops.head_forward_impl(X)
 
     @staticmethod
-    @first_order("cakeops mHC head (nn.MHCHead)")
+    @first_order(what)
     def backward(ctx, dY):
         return ops.head_backward(ops.head_backward_impl, dY, ctx.n)
 
@@ -758,9 +761,10 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
                                   accumulate=accumulate, dX=dX, dfn=dfn, dscale=dscale, dbase=dbase)
 
 
-class CakeMHCTrainGatedHeadFunction(torch.autograd.Function):
+class CakeMHCTrainGatedHeadFunction(EagerFunction):
     """``forward(ctx, X, fn, scale, base, rms_eps, hc_eps, deterministic) -> Y``: the gated head with autograd,
     X ``[..., n, C]`` -> Y ``[..., C]``. Saves X, the parameters and the FP32 record (32 floats per token)."""
+    what = "cakeops gated mHC head (nn.MHCHead(gated=True))"
 
     @staticmethod
     def forward(ctx, X, fn, scale, base, rms_eps, hc_eps, deterministic):
@@ -772,7 +776,7 @@ class CakeMHCTrainGatedHeadFunction(torch.autograd.Function):
         return Y
 
     @staticmethod
-    @first_order("cakeops gated mHC head (nn.MHCHead(gated=True))")
+    @first_order(what)
     def backward(ctx, dY):
         X, fn, scale, base, stats = ctx.saved_tensors
         return head_ops.gated_head_backward(head_ops.backward_impl, dY, X, fn, scale, base, stats, ctx.hparams,

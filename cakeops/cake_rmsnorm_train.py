@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _traced
-from ._first_order import first_order
+from ._function import EagerFunction, first_order
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
 from ._ops.rmsnorm import rows as _rows
@@ -172,11 +172,12 @@ def _eager_args_ok(x, w, eps, residual) -> bool:
                                       and residual.shape == x.shape and residual.device == x.device)))
 
 
-class CakeRMSNormFunction(torch.autograd.Function):
+class CakeRMSNormFunction(EagerFunction):
     """Eager autograd: calls the launchers directly (no dispatcher per call). Saves only (x or h_new, w, rstd).
     Its backward is the registered autograd's formula (``_ops.rmsnorm.backward_formula``). Host time matters
     here (a model calls it twice per layer): the checks are one expression in the common case, the kernels'
     entry is called without the public function's buffer handling, and no view is made that is not needed."""
+    what = "cakeops RMSNorm"
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
@@ -200,7 +201,7 @@ class CakeRMSNormFunction(torch.autograd.Function):
         return outs[0]
 
     @staticmethod
-    @first_order("cakeops RMSNorm")
+    @first_order(what)
     def backward(ctx, grad_y, grad_h=None):
         h, w, rstd = ctx.saved_tensors
         # The inputs were checked by the forward: straight to the kernels, dw in w's dtype from the reduction.

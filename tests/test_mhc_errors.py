@@ -240,3 +240,22 @@ def test_double_backward_raises_instead_of_wrong_numbers(backend, name):
         torch.autograd.grad(model.to(DEVICE)(x).pow(2).sum(), x, create_graph=True)
     (g,) = torch.autograd.grad(model(x).pow(2).sum(), x)  # first order as before
     assert g.shape == x.shape and not g.requires_grad
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "mhc", "gated head"])
+def test_torch_func_transforms_say_they_are_not_supported(backend, name):
+    """torch.func.grad / vmap over a cakeops layer: a NotImplementedError naming the layer and what to use, where
+    torch asked the user for a ``setup_context`` they cannot add."""
+    import cakeops
+
+    C = 16
+    models = {"rmsnorm": (cakeops.nn.RMSNorm(C), (3, C)),
+              "mhc": (cakeops.nn.MHC(torch.nn.Linear(C, C), hidden_size=C), (3, 4, C)),
+              "gated head": (cakeops.nn.MHCHead(gated=True, n_streams=4, hidden_size=C), (3, 4, C))}
+    model, shape = models[name]
+    model = model.to(DEVICE)
+    x = torch.randn(shape, device=DEVICE)
+    for transform in (lambda: torch.func.grad(lambda t: model(t).sum())(x),
+                      lambda: torch.func.vmap(model)(x[None])):
+        with pytest.raises(NotImplementedError, match=r"^cakeops .*: torch.func transforms .* are not supported"):
+            transform()
