@@ -1,5 +1,6 @@
 """Modules users put in models."""
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -45,6 +46,21 @@ class RMSNorm(nn.Module):
         else:
             self.register_parameter("weight", None)
             self.register_buffer("_ones", torch.ones(shape, device=device, dtype=dtype), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The weight to ones, as torch.nn.RMSNorm's (e.g. after ``to_empty`` of a model built on the meta device;
+        FSDP2-sharded weights too)."""
+        with torch.no_grad():
+            nn.init.ones_(self.weight if self.weight is not None else self._ones)
+
+    def _apply(self, fn, recurse=True):
+        # The no-weight form's ones are no state (not in the state dict): a move that leaves storage uninitialised
+        # (``to_empty`` after building on the meta device) must not leave them as whatever that memory held.
+        super()._apply(fn, recurse)
+        if self.weight is None and self._ones.device.type != "meta":
+            with torch.no_grad():
+                self._ones.fill_(1)
+        return self
 
     @property
     def hidden_size(self) -> int:
@@ -109,12 +125,24 @@ class MHC(nn.Module):
         self.save_stats = _mhc_args.flag("save_stats", save_stats)
         self.keep_fp32_mapping = _mhc_args.flag("keep_fp32_mapping", keep_fp32_mapping)
         M = layout.n_logits(n)
-        self.fn = nn.Parameter((torch.randn(M, n * C, device=device) / (n * C) ** 0.5).to(dtype or torch.float32))
-        self.scale = nn.Parameter(torch.full((3,), 0.01, device=device, dtype=dtype or torch.float32))
-        base = torch.zeros(M, device=device)
-        base[:n] = -torch.log(torch.tensor(n - 1.0))  # sigmoid(.) = 1/n
-        base[2 * n:] = 4.0 * torch.eye(n, device=device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
-        self.base = nn.Parameter(base.to(dtype or torch.float32))
+        like = dict(device=device, dtype=dtype or torch.float32)
+        self.fn = nn.Parameter(torch.empty(M, n * C, **like))
+        self.scale = nn.Parameter(torch.empty(3, **like))
+        self.base = nn.Parameter(torch.empty(M, **like))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The mapping's start, as built: fn ~ N(0, 1/(n*C)), group scales 0.01, ``base`` for pre gates 1/n, post
+        gates 1 and a mixing matrix near the identity. For models built on the meta device (``to_empty``, then
+        this), FSDP2-sharded parameters included; the branch keeps its own parameters."""
+        n = self.n_streams
+        base = torch.zeros(self.base.shape, device=self.base.device)
+        base[:n] = -math.log(n - 1)  # sigmoid(.) = 1/n
+        base[2 * n:] = 4.0 * torch.eye(n, device=base.device).reshape(-1)  # post logits stay 0: 2*sigmoid(0) = 1
+        with torch.no_grad():
+            nn.init.normal_(self.fn, std=(n * self.hidden_size) ** -0.5)
+            nn.init.constant_(self.scale, 0.01)
+            _copy_whole(self.base, base)
 
     def _apply(self, fn, recurse=True):
         if not self.keep_fp32_mapping:
@@ -161,6 +189,17 @@ class MHC(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
                 f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}")
+
+
+def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
+    """``param.copy_(value)`` for a whole-parameter ``value``, also when ``param`` is a DTensor (FSDP2 shards):
+    every rank computes the same ``value`` and keeps its own shard of it (no communication)."""
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -220,9 +259,22 @@ class MHCHead(nn.Module):
         self.hc_eps = _checks.positive_float("hc_eps", hc_eps)
         n, C = self.n_streams or 4, hidden_size
         self.hidden_size, self.n_streams = C, n
-        self.fn = nn.Parameter((torch.randn(n, n * C, device=device) / (n * C) ** 0.5).to(dtype or torch.float32))
-        self.scale = nn.Parameter(torch.full((1,), 0.01, device=device, dtype=dtype or torch.float32))
-        self.base = nn.Parameter(torch.full((n,), -math.log(n - 1), device=device, dtype=dtype or torch.float32))
+        like = dict(device=device, dtype=dtype or torch.float32)
+        self.fn = nn.Parameter(torch.empty(n, n * C, **like))
+        self.scale = nn.Parameter(torch.empty(1, **like))
+        self.base = nn.Parameter(torch.empty(n, **like))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The gated head's start, as built (fn ~ N(0, 1/(n*C)), scale 0.01, base -log(n - 1)); nothing for the
+        plain head. For models built on the meta device (``to_empty``, then this), FSDP2-sharded parameters
+        included."""
+        if not self.gated:
+            return
+        with torch.no_grad():
+            nn.init.normal_(self.fn, std=(self.n_streams * self.hidden_size) ** -0.5)
+            nn.init.constant_(self.scale, 0.01)
+            nn.init.constant_(self.base, -math.log(self.n_streams - 1))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         from .cake_mhc_train import cake_mhc_train_gated_head, cake_mhc_train_head

@@ -22,10 +22,13 @@ Exit status 1 when a kernel does not fit or races. Run with TRITON_INTERPRET uns
 gives no compilable kernels (tests/test_mhc_gated_head.py runs this in a subprocess without it).
 """
 import argparse
+import atexit
 import contextlib
+import functools
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -154,6 +157,15 @@ def _as_gpu(sms: int):
 _INDUCTOR_COPIES = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _copies_folder() -> str:
+    """One folder per process for the copies' files (Triton reads a kernel's source from its file), removed at
+    exit: a test run makes hundreds of copies, which would otherwise pile up in the temp dir."""
+    folder = tempfile.mkdtemp(prefix="cakeops-inductor-copy-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def inductor_copy(fn):
     """``fn`` as the module torch.compile generates to launch a traced kernel defines it: Inductor copies the
     kernel's source, the sources of the Triton functions it calls and the module constants it reads, under its own
@@ -168,8 +180,7 @@ def inductor_copy(fn):
 
     source = (TritonKernel.gen_common_triton_imports() + "\n@triton.jit\n"
               + user_defined_triton_kernel_transitive_closure_source_code(fn))
-    folder = tempfile.mkdtemp(prefix="cakeops-inductor-copy-")
-    path = os.path.join(folder, f"{fn.__name__}.py")
+    path = os.path.join(_copies_folder(), f"{fn.__module__}.{fn.__name__}.py")
     with open(path, "w") as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location(f"cakeops_inductor_copy_{fn.__name__}", path)
