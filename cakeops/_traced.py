@@ -1,4 +1,4 @@
-"""The FlashInfer-style functions (no autograd, caller-given buffers) under torch.compile.
+"""The FlashInfer-style functions (no autograd, caller-given buffers) under torch.compile (and dispatch modes).
 
 Their eager bodies launch the kernels through cakeops' own launcher, which Dynamo cannot trace: a graph break, an
 error under ``fullgraph=True``. While compiling, each function calls its custom op's functional form instead --
@@ -16,8 +16,13 @@ from cakeops.meta import mhc as mhc_meta
 ops = torch.ops.cakeops
 
 
-def compiling() -> bool:
-    return torch.compiler.is_compiling()
+def through_ops() -> bool:
+    """True where a call must dispatch the custom ops (``torch.ops.cakeops.*``) rather than launch its kernels
+    itself: under torch.compile (Dynamo cannot trace cakeops' launcher), and under any TorchDispatchMode --
+    FakeTensorMode (shapes and memory without data), selective activation checkpointing's policy, FlopCounterMode,
+    dispatch loggers -- since those see dispatched ops only (a direct launch would run on fake tensors, or be
+    invisible to the policy)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def into(values: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],

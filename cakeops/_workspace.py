@@ -8,6 +8,8 @@ from typing import Sequence, Tuple
 
 import torch
 
+from . import _traced
+
 ALIGN = 256  # bytes: every region starts at a multiple (cudaMalloc's alignment, so vector loads stay aligned)
 
 
@@ -39,7 +41,7 @@ def as_bytes(name: str, workspace, device: torch.device) -> torch.Tensor:
                          f"{workspace.device}")
     if not workspace.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous buffer (allocate it with the *_workspace() helper)")
-    if workspace.numel() and not torch.compiler.is_compiling() and workspace.data_ptr() % 16:  # traced: no address
+    if workspace.numel() and not _traced.through_ops() and workspace.data_ptr() % 16:  # traced / fake: no address
         raise ValueError(f"{name}: expected a buffer aligned to 16 bytes, got address {workspace.data_ptr():#x} "
                          f"(a slice at an odd offset?); allocate it with the *_workspace() helper")
     flat = workspace.reshape(-1)

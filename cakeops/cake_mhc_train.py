@@ -72,7 +72,7 @@ def _workspace_for(name: str, workspace, X: Tensor, need, helper: str) -> Option
     from . import _workspace
 
     ws = _workspace.as_bytes(name, workspace, X.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return None  # unused: Inductor plans the scratch (cakeops/_traced.py)
     _workspace.check_size(name, ws, need(), helper)
     return ws
@@ -137,7 +137,7 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.stats_width(n)), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_prepare(X, fn, scale, base, hp, out, stats_out)
     return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out, workspace=ws)
 
@@ -170,7 +170,7 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     stats_out = out_tensor(name, stats_out, shape=(X.shape[0], layout.stats_width(X.shape[1])), dtype=torch.float32,
                            device=X.device)
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_stats(X, fn, scale, base, hp, stats_out)
     return ops.prepare_impl(X, fn, scale, base, *hp, stats=stats_out, write_U=False, workspace=ws)[1]
 
@@ -199,7 +199,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     args.like("B", B, X, (T, C))
     args.stats("stats", stats, X, layout.stats_width(n))
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_finish(X, B, stats, out)
     return ops.finish_impl(X, B, stats, out)
 
@@ -218,7 +218,7 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     args.streams("X", X)
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_head_forward(X, out)
     return ops.head_forward_impl(X, out)
 
@@ -245,7 +245,7 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
     dX = out_tensor("dX", dX, shape=(T, n, C), dtype=dY.dtype, device=dY.device)
     if accumulate and dX is None:
         raise ValueError("dX: accumulate=True needs the dX to add into")
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_head_backward(dY, n, dX, accumulate)
     return ops.head_backward_impl(dY, n, dX, accumulate)
 
@@ -280,7 +280,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     dB = out_tensor("dB", dB, shape=(T, C), dtype=B.dtype, device=X.device)
     grad_stats_out = out_tensor("grad_stats_out", grad_stats_out, shape=(T, layout.grad_stats_width(n)),
                                 dtype=torch.float32, device=X.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_backward_prepare(dY, B, X, stats, dB, grad_stats_out)
     return ops.backward_prepare_impl(dY, B, X, stats, dB, grad_stats_out)
 
@@ -344,7 +344,7 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into")
     ws = _workspace_for("workspace", workspace, X, _backward_need(X, hp[2], deterministic), _BWD_HELPER)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, hp, deterministic,
                                            accumulate, (dX, dfn, dscale, dbase))
     return ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, *hp,
@@ -597,7 +597,7 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
-    if torch.compiler.is_compiling() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
+    if _traced.through_ops() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
         U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
         handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     else:
@@ -655,7 +655,7 @@ def cake_mhc_train_head(X: Tensor) -> Tensor:
     (torch.Size([2, 5, 32]), True)
     """
     args.streams("X", X, leading_dims=True)
-    if torch.compiler.is_compiling() or any_dtensor(X=X):
+    if _traced.through_ops() or any_dtensor(X=X):
         return torch.ops.cakeops.mhc_head_fwd(X)
     return CakeMHCTrainHeadFunction.apply(X)
 
@@ -714,7 +714,7 @@ def cake_mhc_train_gated_head_forward(X: Tensor, fn: Tensor, scale: Tensor, base
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, head_layout.HEAD_STATS_WIDTH), dtype=torch.float32,
                            device=X.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.gated_head_forward(X, fn, scale, base, hp, out, stats_out)
     return head_ops.forward_impl(X, fn, scale, base, *hp, Y=out, stats=stats_out)
 
@@ -754,7 +754,7 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into; pass all three "
                          "(FP32, contiguous) or accumulate=False")
-    if _traced.compiling():
+    if _traced.through_ops():
         return _traced.gated_head_backward(dY, X, fn, scale, base, stats, hp, deterministic, accumulate,
                                            (dX, dfn, dscale, dbase))
     return head_ops.backward_impl(dY, X, fn, scale, base, stats, *hp, deterministic=deterministic,
@@ -807,7 +807,7 @@ def cake_mhc_train_gated_head(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor
     """
     hp = _check_gated_head(X, fn, scale, base, rms_eps, hc_eps, leading_dims=True)
     args.flag("deterministic", deterministic)
-    if torch.compiler.is_compiling() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
+    if _traced.through_ops() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
         return torch.ops.cakeops.mhc_gated_head_fwd(X, fn, scale, base, *hp, deterministic)[0]
     return CakeMHCTrainGatedHeadFunction.apply(X, fn, scale, base, *hp, deterministic)
 

@@ -96,7 +96,7 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
     buffers = (None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
                None if residual_out is None else residual_out.view(-1, H))
     rows_in = (_rows(x), w, eps, None if residual is None else _rows(residual))
-    if _traced.compiling():
+    if _traced.through_ops():
         outs = _traced.rmsnorm_forward(*rows_in, buffers[:2] if residual is None else buffers)
     else:
         outs = ops.forward_impl(*rows_in, *buffers)
@@ -154,7 +154,7 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     rows_in = (_rows(g), _rows(x), w, rstd.reshape(-1).contiguous(), None if g_residual is None else _rows(g_residual),
                deterministic)
     buffers = (None if dx is None else dx.view(-1, H), dw)
-    if _traced.compiling():
+    if _traced.through_ops():
         ddx, ddw = _traced.rmsnorm_backward(*rows_in, buffers)
     else:
         ddx, ddw = ops.backward_impl(*rows_in, workspace, *buffers)
@@ -227,7 +227,7 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     (torch.Size([2, 8, 64]), True)
     """
     # DTensors exist only once torch.distributed.tensor is imported: skip the per-argument check before that.
-    if not (torch.compiler.is_compiling() or (_DTENSOR_MODULE in sys.modules
+    if not (_traced.through_ops() or (_DTENSOR_MODULE in sys.modules
                                               and any_dtensor(x=x, w=w, residual=residual))):
         if type(deterministic) is not bool:
             _check_flags(deterministic)
@@ -267,7 +267,7 @@ def _workspace_for_backward(workspace, x: Tensor) -> Tensor:
     from . import _workspace
 
     ws = _workspace.as_bytes("workspace", workspace, x.device)
-    if _traced.compiling():
+    if _traced.through_ops():
         return None  # unused: Inductor plans the scratch (cakeops/_traced.py)
     need = 4 * cake_rmsnorm_train_workspace_numel(x.numel() // x.shape[-1], x.shape[-1], x.device, x.dtype)
     _workspace.check_size("workspace", ws, need, "cake_rmsnorm_train_backward_workspace(rows, hidden, device)")

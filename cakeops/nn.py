@@ -82,7 +82,25 @@ class RMSNorm(nn.Module):
                 f"deterministic={self.deterministic}")
 
 
-class MHC(nn.Module):
+class _Mapping(nn.Module):
+    """A module owning an mHC mapping (``fn``, ``scale``, ``base``), which ``keep_fp32_mapping`` keeps FP32 through
+    model casts."""
+
+    keep_fp32_mapping = False
+
+    def _apply(self, fn, recurse=True):
+        if not self.keep_fp32_mapping or getattr(self, "fn", None) is None:
+            return super()._apply(fn, recurse)
+        mapping = (self.fn, self.scale, self.base)
+        before = [p.data for p in mapping]
+        super()._apply(fn, recurse)
+        for p, old in zip(mapping, before):
+            if p.dtype != old.dtype:  # a cast: keep the FP32 values (not re-widened rounded ones), follow the device
+                p.data = old.to(p.device)
+        return self
+
+
+class MHC(_Mapping):
     """One mHC layer around a branch: ``X [..., n, C] -> [..., n, C]`` = prepare -> ``branch(U)`` -> finish.
 
     ``n_streams``: n, 2, 4 or 8 (other n raise NotImplementedError here, at construction).
@@ -144,17 +162,6 @@ class MHC(nn.Module):
             nn.init.constant_(self.scale, 0.01)
             _copy_whole(self.base, base)
 
-    def _apply(self, fn, recurse=True):
-        if not self.keep_fp32_mapping:
-            return super()._apply(fn, recurse)
-        mapping = (self.fn, self.scale, self.base)
-        before = [p.data for p in mapping]
-        super()._apply(fn, recurse)
-        for p, old in zip(mapping, before):
-            if p.dtype != old.dtype:  # a cast: keep the FP32 values (not re-widened rounded ones), follow the device
-                p.data = old.to(p.device)
-        return self
-
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         from .cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare
 
@@ -188,7 +195,8 @@ class MHC(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
-                f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}")
+                f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}" + _flags(self, deterministic=True, save_stats=True,
+                                                                         keep_fp32_mapping=False))
 
 
 def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -200,6 +208,11 @@ def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
         if isinstance(param, DTensor):
             value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
     param.copy_(value)
+
+
+def _flags(module, **defaults) -> str:
+    """", name=value" for each flag that differs from its default (a repr shows what was chosen)."""
+    return "".join(f", {k}={getattr(module, k)}" for k, default in defaults.items() if getattr(module, k) != default)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -216,11 +229,14 @@ class StreamExpand(nn.Module):
 
         self.n_streams = _mhc_args.n_streams("n_streams", n_streams)
 
+    def extra_repr(self) -> str:
+        return f"n_streams={self.n_streams}"
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
 
 
-class MHCHead(nn.Module):
+class MHCHead(_Mapping):
     """``[..., n, C] -> [..., C]``: the model's final collapse of the residual streams.
 
     ``gated=False`` (the default, ``MHCHead()``): the mean of the streams (cakeops head op), no parameters, no
@@ -233,11 +249,14 @@ class MHCHead(nn.Module):
     ``n_streams``: 2, 4 or 8 (checked at construction; others raise NotImplementedError); None (the default)
     lets the plain head take n from each input and gives the gated head 4. ``rms_eps``, ``hc_eps`` finite floats
     > 0; ``deterministic=False`` sums the parameter gradients with atomics. ``dtype``: the parameters' dtype (FP32
-    by default; the math is FP32 either way and their gradients come back in their dtype).
+    by default; the math is FP32 either way and their gradients come back in their dtype). ``keep_fp32_mapping``:
+    fn, scale and base stay FP32 through ``model.to(dtype)`` / ``.half()`` / ``.bfloat16()``, as ``MHC``'s (bf16
+    would round base's -log(3) to -1.1016).
     """
 
     def __init__(self, n_streams: Optional[int] = None, *, gated: bool = False, hidden_size: Optional[int] = None,
-                 rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True, device=None, dtype=None):
+                 rms_eps: float = 1e-5, hc_eps: float = 1e-6, deterministic: bool = True,
+                 keep_fp32_mapping: bool = False, device=None, dtype=None):
         super().__init__()
         from . import _mhc_args
 
@@ -248,11 +267,14 @@ class MHCHead(nn.Module):
         self.gated = gated
         self.deterministic = deterministic
         self.n_streams = None if n_streams is None else _mhc_args.n_streams("n_streams", n_streams)
+        keep_fp32_mapping = _mhc_args.flag("keep_fp32_mapping", keep_fp32_mapping)
         if not gated:
-            if hidden_size is not None:
-                raise ValueError("hidden_size: the plain head (gated=False) has no parameters and takes no hidden "
-                                 "size; pass gated=True for the gated head, or leave hidden_size out")
+            for name, given in (("hidden_size", hidden_size is not None), ("keep_fp32_mapping", keep_fp32_mapping)):
+                if given:
+                    raise ValueError(f"{name}: the plain head (gated=False) has no parameters and takes no "
+                                     f"{name}; pass gated=True for the gated head, or leave {name} out")
             return
+        self.keep_fp32_mapping = keep_fp32_mapping
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size: the gated head needs the hidden size C, an int >= 1, got {hidden_size!r}")
         self.rms_eps = _checks.positive_float("rms_eps", rms_eps)
@@ -302,4 +324,4 @@ class MHCHead(nn.Module):
         if not self.gated:
             return "" if self.n_streams is None else f"n_streams={self.n_streams}"
         return (f"gated=True, hidden_size={self.hidden_size}, n_streams={self.n_streams}, rms_eps={self.rms_eps}, "
-                f"hc_eps={self.hc_eps}")
+                f"hc_eps={self.hc_eps}" + _flags(self, deterministic=True, keep_fp32_mapping=False))

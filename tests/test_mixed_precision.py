@@ -91,16 +91,23 @@ def test_model_to_bfloat16_trains(backend):
     assert torch.equal(c_loss.detach(), e_loss) and all(torch.equal(a, b) for a, b in zip(c_grads, e_grads))
 
 
-def test_keep_fp32_mapping_survives_model_casts():
-    block = cakeops.nn.MHC(torch.nn.Linear(16, 16), hidden_size=16, keep_fp32_mapping=True)
-    fp32_before = [p.detach().clone() for p in (block.fn, block.scale, block.base)]
+@pytest.mark.parametrize("module", ["mhc", "gated head"])
+def test_keep_fp32_mapping_survives_model_casts(module):
+    def make(**kw):
+        if module == "mhc":
+            return cakeops.nn.MHC(torch.nn.Linear(16, 16), hidden_size=16, **kw)
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), cakeops.nn.MHCHead(4, gated=True, hidden_size=16, **kw))
+
+    block = make(keep_fp32_mapping=True)
+    owner = block if module == "mhc" else block[1]
+    fp32_before = [p.detach().clone() for p in (owner.fn, owner.scale, owner.base)]
     block.to(torch.bfloat16)
     block.half()
-    assert block.branch.weight.dtype == torch.float16
-    for p, before in zip((block.fn, block.scale, block.base), fp32_before):
+    assert next(p for p in block.parameters() if p.dim() == 2 and p.shape == (16, 16)).dtype == torch.float16
+    for p, before in zip((owner.fn, owner.scale, owner.base), fp32_before):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), before)  # not re-widened rounded values
-    plain = cakeops.nn.MHC(torch.nn.Linear(16, 16), hidden_size=16).to(torch.bfloat16)
-    assert plain.fn.dtype == torch.bfloat16
+    plain = make().to(torch.bfloat16)
+    assert (plain if module == "mhc" else plain[1]).fn.dtype == torch.bfloat16
 
 
 def test_autocast_around_an_mhc_model(backend):

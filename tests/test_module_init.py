@@ -162,3 +162,20 @@ def _fsdp2_meta_worker(rank, init_file):
 @pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 def test_fsdp2_model_built_on_meta_starts_as_built_on_the_device():
     spawn_ranks(_fsdp2_meta_worker, 2)
+
+
+def test_reprs_show_what_was_chosen():
+    assert repr(cn.StreamExpand(8)) == "StreamExpand(n_streams=8)"
+    text = repr(cn.MHC(torch.nn.Identity(), C, 2, deterministic=False, save_stats=False, keep_fp32_mapping=True))
+    assert "n_streams=2" in text and "deterministic=False, save_stats=False, keep_fp32_mapping=True" in text, text
+    assert "deterministic" not in repr(cn.MHC(torch.nn.Identity(), C))  # defaults stay quiet
+    head = repr(cn.MHCHead(8, gated=True, hidden_size=C, keep_fp32_mapping=True))
+    assert head == f"MHCHead(gated=True, hidden_size={C}, n_streams=8, rms_eps=1e-05, hc_eps=1e-06, keep_fp32_mapping=True)"
+
+
+@pytest.mark.parametrize("given", [dict(hidden_size=C), dict(keep_fp32_mapping=True)])
+def test_the_plain_head_refuses_what_only_the_gated_head_takes(given):
+    (name,) = given
+    with pytest.raises(ValueError, match=f"{name}: the plain head .* pass gated=True"):
+        cn.MHCHead(**given)
+    cn.MHCHead(gated=True, **{"hidden_size": C, **given})
