@@ -118,16 +118,18 @@ class _Model(torch.nn.Module):
 
 
 def _fsdp2_meta_worker(rank, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
+        mesh = init_device_mesh("cpu", (2,))  # else fully_shard takes the machine's GPU, where there is one
         with torch.device("meta"):
             model = _Model()
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")
         _reset_all(model)
         full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
