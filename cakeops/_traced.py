@@ -22,7 +22,14 @@ def through_ops() -> bool:
     FakeTensorMode (shapes and memory without data), selective activation checkpointing's policy, FlopCounterMode,
     dispatch loggers -- since those see dispatched ops only (a direct launch would run on fake tensors, or be
     invisible to the policy)."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    if torch.compiler.is_compiling():  # first: Dynamo need not trace the C call below
+        return True
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    from ._ops import flops
+
+    flops.register_if_counter_loaded()  # FlopCounterMode may be the mode
+    return True
 
 
 def into(values: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],

@@ -75,7 +75,8 @@ def test_functions_run_under_fake_tensor_mode(backend):
     """The FlashInfer-style functions too, with the caller's buffers and workspaces left as given (fake)."""
     with FakeTensorMode():
         X = torch.randn(6, 4, C, device=DEVICE, dtype=torch.bfloat16)
-        fn, scale, base = torch.randn(24, 4 * C, device=DEVICE), torch.ones(3, device=DEVICE), torch.zeros(24, device=DEVICE)
+        fn = torch.randn(24, 4 * C, device=DEVICE)
+        scale, base = torch.ones(3, device=DEVICE), torch.zeros(24, device=DEVICE)
         U, stats = cake_mhc_train_forward_prepare(X, fn, scale, base, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=5,
                                                   workspace=torch.empty(1 << 20, dtype=torch.uint8, device=DEVICE))
         assert U.shape == (6, C) and U.dtype == torch.bfloat16 and stats.dtype == torch.float32
@@ -146,3 +147,54 @@ def test_selective_checkpointing_policy_sees_and_decides_the_cakeops_ops(n, deci
         assert "cakeops.mhc_prepare.default" in recomputed, recomputed
     for g, w, p in zip(got, want, ["x", *(k for k, _ in block.named_parameters())]):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"{p}: {m}")
+
+
+def _torch_matmul_flops(fn, *args):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(*args)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_flop_counter_counts_the_layers_matmul_work_as_torch_counts_matmuls(n, backend):
+    """FlopCounterMode (MFU accounting) counts each mHC op: its projection as torch counts the same matmul
+    (X [T, n*C] @ fn^T), plus the mixing and gate sums at 2 FLOPs per multiply-add; the gated head likewise."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    T = 6
+    layer = cn.MHC(torch.nn.Identity(), C, n).to(DEVICE)
+    head = cn.MHCHead(n, gated=True, hidden_size=C).to(DEVICE)
+    X = torch.randn(2, T // 2, n, C, device=DEVICE, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        y = head(layer(X))
+        y.backward(torch.randn_like(y))
+    got = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
+    M = 2 * n + n * n
+    projection = _torch_matmul_flops(lambda: X.detach().reshape(T, n * C) @ layer.fn.detach().t())
+    head_projection = _torch_matmul_flops(lambda: X.detach().reshape(T, n * C) @ head.fn.detach().t())
+    assert projection == 2 * T * n * C * M and head_projection == 2 * T * n * C * n
+    mix, gate = 2 * T * n * n * C, 2 * T * n * C
+    assert got == {"cakeops.mhc_prepare": projection + gate, "cakeops.mhc_finish": mix + gate,
+                   "cakeops.mhc_backward_prepare": 2 * gate + mix,
+                   "cakeops.mhc_backward_finish": 2 * projection + mix + 2 * gate,
+                   "cakeops.mhc_gated_head_fwd": head_projection + gate,
+                   "cakeops.mhc_gated_head_bwd": 2 * head_projection + 2 * gate}, got
+
+
+def test_a_flop_counter_built_before_cakeops_registered_its_formulas_counts_them():
+    """The formulas are registered at the first op dispatched under a mode; a FlopCounterMode copies torch's
+    registry when built, so the first one of a process must get them too (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, cakeops.nn as cn\n"
+            "from torch.utils.flop_counter import FlopCounterMode\n"
+            "m = cn.MHCHead(4, gated=True, hidden_size=8)\n"
+            "with FlopCounterMode(display=False) as c:\n"
+            "    m(torch.randn(3, 4, 8))\n"
+            "print(c.get_total_flops())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == 2 * 3 * 32 * 4 + 2 * 3 * 4 * 8

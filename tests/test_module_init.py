@@ -96,7 +96,8 @@ def test_reset_parameters_restores_each_modules_documented_start():
         assert torch.equal(mhc.base, want_base) and torch.equal(mhc.scale, torch.full((3,), 0.01))
         assert torch.equal(head.base, torch.full((n,), pre)) and torch.equal(head.scale, torch.full((1,), 0.01))
         for fn in (mhc.fn, head.fn):  # N(0, 1/(n*C)): thousands of draws, so the std within 10 %
-            assert abs(fn.std().item() * math.sqrt(n * 512) - 1) < 0.1 and abs(fn.mean().item()) < 0.1 / math.sqrt(n * 512) * 10
+            assert abs(fn.std().item() * math.sqrt(n * 512) - 1) < 0.1
+            assert abs(fn.mean().item()) * math.sqrt(n * 512) < 0.1
     cn.MHCHead().reset_parameters()  # the plain head has nothing to reset, and says nothing
 
 
@@ -172,7 +173,8 @@ def test_reprs_show_what_was_chosen():
     assert "n_streams=2" in text and "deterministic=False, save_stats=False, keep_fp32_mapping=True" in text, text
     assert "deterministic" not in repr(cn.MHC(torch.nn.Identity(), C))  # defaults stay quiet
     head = repr(cn.MHCHead(8, gated=True, hidden_size=C, keep_fp32_mapping=True))
-    assert head == f"MHCHead(gated=True, hidden_size={C}, n_streams=8, rms_eps=1e-05, hc_eps=1e-06, keep_fp32_mapping=True)"
+    assert head == (f"MHCHead(gated=True, hidden_size={C}, n_streams=8, rms_eps=1e-05, hc_eps=1e-06, "
+                    f"keep_fp32_mapping=True)")
 
 
 @pytest.mark.parametrize("given", [dict(hidden_size=C), dict(keep_fp32_mapping=True)])
