@@ -88,6 +88,15 @@ class _Mapping(nn.Module):
 
     keep_fp32_mapping = False
 
+    def _own_mapping(self, logits: int, groups: int, width: int, device, dtype) -> None:
+        """The parameters fn [logits, width], scale [groups], base [logits] (FP32 unless ``dtype``), initialised by
+        the module's ``reset_parameters``."""
+        like = dict(device=device, dtype=dtype or torch.float32)
+        self.fn = nn.Parameter(torch.empty(logits, width, **like))
+        self.scale = nn.Parameter(torch.empty(groups, **like))
+        self.base = nn.Parameter(torch.empty(logits, **like))
+        self.reset_parameters()
+
     def _apply(self, fn, recurse=True):
         if not self.keep_fp32_mapping or getattr(self, "fn", None) is None:
             return super()._apply(fn, recurse)
@@ -142,12 +151,7 @@ class MHC(_Mapping):
         self.deterministic = _mhc_args.flag("deterministic", deterministic)
         self.save_stats = _mhc_args.flag("save_stats", save_stats)
         self.keep_fp32_mapping = _mhc_args.flag("keep_fp32_mapping", keep_fp32_mapping)
-        M = layout.n_logits(n)
-        like = dict(device=device, dtype=dtype or torch.float32)
-        self.fn = nn.Parameter(torch.empty(M, n * C, **like))
-        self.scale = nn.Parameter(torch.empty(3, **like))
-        self.base = nn.Parameter(torch.empty(M, **like))
-        self.reset_parameters()
+        self._own_mapping(layout.n_logits(n), 3, n * C, device, dtype)
 
     def reset_parameters(self) -> None:
         """The mapping's start, as built: fn ~ N(0, 1/(n*C)), group scales 0.01, ``base`` for pre gates 1/n, post
@@ -281,11 +285,7 @@ class MHCHead(_Mapping):
         self.hc_eps = _checks.positive_float("hc_eps", hc_eps)
         n, C = self.n_streams or 4, hidden_size
         self.hidden_size, self.n_streams = C, n
-        like = dict(device=device, dtype=dtype or torch.float32)
-        self.fn = nn.Parameter(torch.empty(n, n * C, **like))
-        self.scale = nn.Parameter(torch.empty(1, **like))
-        self.base = nn.Parameter(torch.empty(n, **like))
-        self.reset_parameters()
+        self._own_mapping(n, 1, n * C, device, dtype)
 
     def reset_parameters(self) -> None:
         """The gated head's start, as built (fn ~ N(0, 1/(n*C)), scale 0.01, base -log(n - 1)); nothing for the
