@@ -3,7 +3,8 @@ activation checkpointing, the blocks compiled with fullgraph) against one proces
 
 CPU and gloo here (CI); the same workers run with NCCL on 2 GPUs when CAKEOPS_DIST_BACKEND=nccl is set on a
 machine with 2 GPUs. Each rank trains on its half of every batch; rank 0 also trains a single-process twin on
-the whole batch and compares losses and every gradient after each step.
+the whole batch and compares losses and every gradient after each step. Also: sequence parallel with DTensors,
+and pipeline parallel (two stages on two processes, gloo only).
 """
 import copy
 import os
@@ -197,6 +198,78 @@ def _dtensor_worker(rank, init_file, backend):
 @pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
 def test_sequence_parallel_dtensor_matches_one_device():
     _spawn(_dtensor_worker, _backend())
+
+
+# ---- pipeline parallel: the residual streams [..., n, C] cross a stage boundary ----
+
+class _FirstStage(torch.nn.Module):
+    """Embedding -> streams -> an mHC layer (8 streams, the DeepSeek-V4-style width)."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        from cakeops.nn import MHC, RMSNorm, StreamExpand
+
+        self.embed, self.expand = torch.nn.Embedding(VOCAB, DIM), StreamExpand(n)
+        self.block = MHC(torch.nn.Sequential(RMSNorm(DIM), torch.nn.Linear(DIM, DIM)), DIM, n)
+
+    def forward(self, tokens):
+        return self.block(self.expand(self.embed(tokens)))
+
+
+class _LastStage(torch.nn.Module):
+    """An mHC layer -> the gated head -> RMSNorm -> logits."""
+
+    def __init__(self, n=8):
+        super().__init__()
+        from cakeops.nn import MHC, MHCHead, RMSNorm
+
+        self.block = MHC(torch.nn.Sequential(RMSNorm(DIM), torch.nn.Linear(DIM, DIM)), DIM, n)
+        self.head, self.norm = MHCHead(n, gated=True, hidden_size=DIM), RMSNorm(DIM)
+        self.out = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, X):
+        return self.out(self.norm(self.head(self.block(X))))
+
+
+def _pipeline_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _pipeline_worker(rank, init_file):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        whole = [_FirstStage(), _LastStage()]  # the same on both ranks: each keeps its stage, compares with all
+        mine = copy.deepcopy(whole[rank])
+        stage = PipelineStage(mine, rank, WORLD, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_pipeline_loss)
+        gen = torch.Generator().manual_seed(1)
+        tokens, targets = torch.randint(0, VOCAB, (4, 9), generator=gen), torch.randint(0, VOCAB, (4, 9), generator=gen)
+        losses = []
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets, losses=losses)
+        # one process: the microbatches' losses, their mean's gradients (the schedule scales by 1/microbatches)
+        logits = whole[1](whole[0](tokens))
+        want = [_pipeline_loss(lo, ta) for lo, ta in zip(logits.chunk(2), targets.chunk(2))]
+        (sum(want) / 2).backward()
+        if rank == 1:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(want).detach(), rtol=1e-6, atol=1e-6)
+        for (name, p), q in zip(mine.named_parameters(), whole[rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL["fp32"], msg=lambda m: f"stage {rank} grad {name}: {m}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="this torch has no torch.distributed")
+def test_pipeline_parallel_stages_train_like_one_process():
+    """torch.distributed.pipelining (GPipe, 2 stages on 2 processes, gloo): the [..., 8, C] streams cross the
+    stage boundary; losses and every stage's gradients as one process's."""
+    _spawn(_pipeline_worker)
 
 
 def _abort_on_exit(rank, init_file, when):

@@ -183,3 +183,20 @@ def test_the_plain_head_refuses_what_only_the_gated_head_takes(given):
     with pytest.raises(ValueError, match=f"{name}: the plain head .* pass gated=True"):
         cn.MHCHead(**given)
     cn.MHCHead(gated=True, **{"hidden_size": C, **given})
+
+
+@pytest.mark.parametrize("name", list(_modules()))
+def test_modules_run_on_meta_tensors(name):
+    """A model on the meta device runs forward and backward on meta inputs -- how pipeline parallelism infers a
+    stage's shapes (torch.distributed.pipelining) and how memory planners trace -- with a real run's shapes and
+    dtypes (nn.MHC's reference read a tensor of counts there: repeat_interleave failed on meta)."""
+    real = _modules()[name]()
+    x = _input(name, torch.Generator().manual_seed(0))
+    want = real(x)
+    with torch.device("meta"):
+        lazy = _modules()[name]()
+    mx = x.to("meta").requires_grad_()
+    y = lazy(mx)
+    y.backward(torch.ones_like(y))
+    assert (y.shape, y.dtype, y.is_meta) == (want.shape, want.dtype, True)
+    assert mx.grad.shape == x.shape and all(p.grad is not None and p.grad.is_meta for p in lazy.parameters())

@@ -33,7 +33,8 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 def _group_of_logits(n: int, device) -> Tensor:
     """Logit m belongs to group 0 (pre), 1 (post) or 2 (res): the index into `scale`."""
-    return torch.repeat_interleave(torch.arange(3, device=device), torch.tensor([n, n, n * n], device=device))
+    # from sizes alone (no repeat_interleave by a tensor of counts: meta / fake tensors have no data to read them)
+    return torch.tensor([0] * n + [1] * n + [2] * (n * n), device=device)
 
 
 # ---------------------------------------------------------------------------------------------
