@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, _traced
 from .cake_rmsnorm_train import cake_rmsnorm
 
 
@@ -41,26 +41,35 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.deterministic = deterministic
+        self._ones = {}  # the no-weight form's scale, per (device, dtype) of the input: see _unit_weight
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
-            self.register_buffer("_ones", torch.ones(shape, device=device, dtype=dtype), persistent=False)
 
     def reset_parameters(self) -> None:
         """The weight to ones, as torch.nn.RMSNorm's (e.g. after ``to_empty`` of a model built on the meta device;
-        FSDP2-sharded weights too)."""
-        with torch.no_grad():
-            nn.init.ones_(self.weight if self.weight is not None else self._ones)
-
-    def _apply(self, fn, recurse=True):
-        # The no-weight form's ones are no state (not in the state dict): a move that leaves storage uninitialised
-        # (``to_empty`` after building on the meta device) must not leave them as whatever that memory held.
-        super()._apply(fn, recurse)
-        if self.weight is None and self._ones.device.type != "meta":
+        FSDP2-sharded weights too); nothing without a weight."""
+        if self.weight is not None:
             with torch.no_grad():
-                self._ones.fill_(1)
-        return self
+                nn.init.ones_(self.weight)
+
+    def _unit_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """Ones for the no-weight form, made for the input's device and dtype. Not a buffer: a buffer built on the
+        meta device stays there through ``load_state_dict(assign=True)`` (no state to load) and holds whatever the
+        memory held after ``to_empty``."""
+        if _traced.through_ops():  # traced, or fake / watched under a mode: made in place, never cached
+            return torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
+        if "torch.distributed.tensor" in sys.modules:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            if isinstance(x, DTensor):  # as a replicated parameter would be
+                ones = torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
+                return DTensor.from_local(ones, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+        key = (x.device, x.dtype)
+        if key not in self._ones:
+            self._ones[key] = torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
+        return self._ones[key]
 
     @property
     def hidden_size(self) -> int:
@@ -74,7 +83,7 @@ class RMSNorm(nn.Module):
         eps = self.eps
         if eps is None:  # torch's default; a non-float x gets cake_rmsnorm's dtype error, not torch.finfo's
             eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 1e-6
-        w = self.weight if self.weight is not None else self._ones
+        w = self.weight if self.weight is not None else self._unit_weight(x)
         return cake_rmsnorm(x, w, eps, residual, self.deterministic)
 
     def extra_repr(self) -> str:

@@ -161,6 +161,8 @@ def _dtensor_worker(rank, init_file, backend):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
+    from cakeops.nn import RMSNorm
+
     device_type = "cuda" if backend == "nccl" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -185,6 +187,11 @@ def _dtensor_worker(rank, init_file, backend):
         torch.testing.assert_close(h_d.grad.full_tensor(), h_ref.grad, **tol)
         for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, **tol, msg=lambda m: f"grad {name}: {m}")
+
+        # a norm without weight: its ones meet the token-sharded input as a replicated parameter would
+        plain = RMSNorm(DIM, elementwise_affine=False).to(device_type)
+        spread = distribute_module(RMSNorm(DIM, elementwise_affine=False).to(device_type), mesh)
+        torch.testing.assert_close(spread(distribute_tensor(h, mesh, [Shard(0)])).full_tensor(), plain(h), **tol)
 
         # the hidden dim sharded: refused in the user's terms, with what to do
         x_hidden = distribute_tensor(torch.randn(10, 4, DIM).to(device_type), mesh, [Shard(2)])

@@ -63,6 +63,26 @@ def test_built_on_meta_then_to_empty_and_reset_equals_built_on_the_device(name, 
     torch.testing.assert_close(lazy(x), direct(x), rtol=0, atol=0)
 
 
+def test_a_model_built_on_meta_and_loaded_with_assign_runs():
+    """``load_state_dict(state, assign=True)`` onto a model built on the meta device (how checkpoints are loaded
+    without a first allocation): the parameters come from the state dict, and nothing the state dict does not hold
+    is left on the meta device (the no-weight RMSNorm's ones were a buffer there: 'w: expected a tensor on cpu')."""
+    def make():
+        return torch.nn.ModuleDict({"norm": cn.RMSNorm(C, elementwise_affine=False),
+                                    "mhc": cn.MHC(torch.nn.Linear(C, C), C, 4),
+                                    "head": cn.MHCHead(4, gated=True, hidden_size=C)})
+
+    real = make()
+    with torch.device("meta"):
+        lazy = make()
+    lazy.load_state_dict(real.state_dict(), assign=True)
+    assert not any(t.is_meta for t in (*lazy.parameters(), *lazy.buffers()))
+    x = torch.randn(3, 4, C)
+    for name in ("norm", "mhc", "head"):
+        arg = x.mean(-2) if name == "norm" else x
+        torch.testing.assert_close(lazy[name](arg), real[name](arg), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_weight_rmsnorm_from_meta_normalizes_without_reset_parameters(device):
     """A user who loads a checkpoint after ``to_empty`` (no reset_parameters) gets torch.nn.RMSNorm's output."""
