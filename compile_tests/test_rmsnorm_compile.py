@@ -8,6 +8,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import cakeops
 from cakeops.cake_rmsnorm_train import cake_rmsnorm
+from cakeops.nn import RMSNorm
 from conftest import DEVICE
 from graph_tools import aot_graph_codes, assert_dynamic_tokens_compile_once, assert_fullgraph_equals_eager, grads_after
 
@@ -83,6 +84,23 @@ def test_inductor_fullgraph_matches_eager():
     compiled = torch.compile(block, fullgraph=True)
     for got, ref in zip(grads_after(compiled, x, g), grads_after(block, x, g)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend_name", ["aot_eager", "inductor"])
+def test_no_weight_norm_compiles_fullgraph_and_matches_eager(backend_name):
+    """The no-weight form's ones are made in the graph (no buffer, no cached tensor captured): same values and
+    input gradient as eager, and eager's own cache is left as it was."""
+    torch._dynamo.reset()
+    norm = RMSNorm(24, elementwise_affine=False)
+    x = torch.randn(3, 5, 24, device=DEVICE, requires_grad=True)
+    g = torch.randn(3, 5, 24, device=DEVICE)
+    want = torch.autograd.grad(norm(x), x, g)[0]
+    cached = dict(norm._ones)
+    compiled = torch.compile(norm, fullgraph=True, backend=backend_name)
+    y = compiled(x)
+    torch.testing.assert_close(y, norm(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], want, rtol=1e-5, atol=1e-6)
+    assert norm._ones.keys() == cached.keys() and all(norm._ones[k] is v for k, v in cached.items())
 
 
 def test_dynamic_tokens_do_not_recompile():
