@@ -1,10 +1,11 @@
 """The FlashInfer-style functions (no autograd, caller-given buffers) under torch.compile (and dispatch modes).
 
 Their eager bodies launch the kernels through cakeops' own launcher, which Dynamo cannot trace: a graph break, an
-error under ``fullgraph=True``. While compiling, each function calls its custom op's functional form instead --
-the same kernels, launched (or, on a GPU, traced) by Inductor: _ops/inductor.py -- and writes the results into
-the buffers the caller gave, as the eager call does. A caller workspace is unused there: Inductor plans the
-scratch. Gradients stay out of it as in eager (``no_grad``): these functions are the autograd-free layer.
+error under ``fullgraph=True``. While compiling (and under a dispatch mode: ``through_ops``), each function calls
+its custom op's functional form instead -- the same kernels, launched (or, on a GPU, traced) by Inductor:
+_ops/inductor.py -- and writes the results into the buffers the caller gave, as the eager call does. A caller
+workspace is unused there: Inductor plans the scratch. Gradients stay out of it as in eager (``no_grad``): these
+functions are the autograd-free layer.
 """
 from typing import Optional, Sequence, Tuple
 

@@ -228,7 +228,7 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     """
     # DTensors exist only once torch.distributed.tensor is imported: skip the per-argument check before that.
     if not (_traced.through_ops() or (_DTENSOR_MODULE in sys.modules
-                                              and any_dtensor(x=x, w=w, residual=residual))):
+                                      and any_dtensor(x=x, w=w, residual=residual))):
         if type(deterministic) is not bool:
             _check_flags(deterministic)
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
