@@ -1,12 +1,12 @@
 """Modules users put in models."""
 import math
-import sys
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import _checks, _traced
+from ._ops.sharding import is_dtensor
 from .cake_rmsnorm_train import cake_rmsnorm
 
 
@@ -60,12 +60,11 @@ class RMSNorm(nn.Module):
         memory held after ``to_empty``."""
         if _traced.through_ops():  # traced, or fake / watched under a mode: made in place, never cached
             return torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
-        if "torch.distributed.tensor" in sys.modules:
+        if is_dtensor(x):  # as a replicated parameter would be
             from torch.distributed.tensor import DTensor, Replicate
 
-            if isinstance(x, DTensor):  # as a replicated parameter would be
-                ones = torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
-                return DTensor.from_local(ones, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
+            ones = torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
+            return DTensor.from_local(ones, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)
         key = (x.device, x.dtype)
         if key not in self._ones:
             self._ones[key] = torch.ones(self.normalized_shape, device=x.device, dtype=x.dtype)
@@ -215,11 +214,10 @@ class MHC(_Mapping):
 def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
     """``param.copy_(value)`` for a whole-parameter ``value``, also when ``param`` is a DTensor (FSDP2 shards):
     every rank computes the same ``value`` and keeps its own shard of it (no communication)."""
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor import DTensor, distribute_tensor
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
 
-        if isinstance(param, DTensor):
-            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
     param.copy_(value)
 
 
