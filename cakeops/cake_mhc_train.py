@@ -457,6 +457,25 @@ class _LayerState:
         self.stats = None
         self.workspace = workspace  # caller-owned scratch (uint8, checked), or None: allocated per call
         self.backward_workspace = backward_workspace
+        self.link = None  # the layer's place in a stream-recompute group (_recompute.StreamLink), or None
+
+    @property
+    def rebuilds_X(self) -> bool:
+        """X is not kept: the backward rebuilds it from the group's first input (stream recompute)."""
+        return self.link is not None and self.link.rebuilds
+
+    def saved_X(self, ctx):
+        """(X, the other saved tensors) of a node that saved X first unless the layer rebuilds it."""
+        saved = ctx.saved_tensors
+        if self.rebuilds_X:
+            return self.link.streams(), saved
+        return saved[0], saved[1:]
+
+    def release(self) -> None:
+        """The prepare node's backward ran: the layer's rebuilt streams (and its group's, after the first
+        layer's) may go."""
+        if self.link is not None:
+            self.link.release()
 
     def recompute_stats(self, X: Tensor) -> Tensor:
         return ops.prepare_impl(X, self.fn, self.scale, self.base, *self.hparams, write_U=False,
@@ -483,25 +502,29 @@ class CakeMHCTrainPrepareFunction(EagerFunction):
         U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams, workspace=state.workspace)
         state.stats = stats
         ctx.state = state
-        ctx.save_for_backward(X, fn, scale, base, *((stats,) if state.save_stats else ()))
+        kept = (stats,) if state.save_stats or state.rebuilds_X else ()  # a rebuilt X needs the record's bits
+        ctx.save_for_backward(*(() if state.rebuilds_X else (X,)), fn, scale, base, *kept)
         ctx.set_materialize_grads(False)
         return (U,) + fake.edges(X)
 
     @staticmethod
     @first_order(what)
     def backward(ctx, dU, dY, grad_stats):
-        X, fn, scale, base, *kept = ctx.saved_tensors
         state = ctx.state
         if dU is None and dY is None:  # neither U nor the finish's output reached the loss
             state.stats = None
+            state.release()
             return None, None, None, None, None
+        X, (fn, scale, base, *kept) = state.saved_X(ctx)
         if kept:
             stats = kept[0]
         else:  # recomputed by the finish node's backward, else here
             stats = state.stats if state.stats is not None else state.recompute_stats(X)
             state.stats = None
-        return ops.prepare_backward(state.backward_finish(), X, fn, scale, base, stats, dU, dY, grad_stats,
-                                    state.hparams, state.deterministic) + (None,)
+        grads = ops.prepare_backward(state.backward_finish(), X, fn, scale, base, stats, dU, dY, grad_stats,
+                                     state.hparams, state.deterministic)
+        state.release()
+        return grads + (None,)
 
 
 class CakeMHCTrainFinishFunction(EagerFunction):
@@ -514,10 +537,10 @@ class CakeMHCTrainFinishFunction(EagerFunction):
         stats = state.stats
         Y = ops.finish_impl(X, B, stats)  # in X's shape, leading dims and all: Y itself, never a view
         ctx.state = state
-        if state.save_stats:
-            ctx.save_for_backward(X, B, stats)
-        else:
-            ctx.save_for_backward(X, B)
+        kept = (stats,) if state.save_stats or state.rebuilds_X else ()
+        ctx.save_for_backward(*(() if state.rebuilds_X else (X,)), B, *kept)
+        if state.link is not None:
+            state.link.finished(B, stats)
         state.stats = None  # the record lives on only where it was saved
         ctx.set_materialize_grads(False)
         return Y
@@ -525,10 +548,10 @@ class CakeMHCTrainFinishFunction(EagerFunction):
     @staticmethod
     @first_order(what)
     def backward(ctx, dY):
-        X, B, *kept = ctx.saved_tensors
         state = ctx.state
         if dY is None:
             return None, None, None, None, None
+        X, (B, *kept) = state.saved_X(ctx)
         if kept:
             stats = kept[0]
         else:  # save_stats=False: recompute once, and hand it on to the prepare node's backward
@@ -592,12 +615,22 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     >>> U.shape, Y.shape, cake_mhc_train_head(Y).shape
     (torch.Size([2, 5, 32]), torch.Size([2, 5, 4, 32]), torch.Size([2, 5, 32]))
     """
+    return _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, workspace, backward_workspace,
+                    deterministic)
+
+
+def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, workspace, backward_workspace,
+             deterministic, recompute=None):
+    """cake_mhc_train_prepare's body; ``recompute``: nn.MHC's stream-recompute plan (_recompute.RecomputePlan),
+    which gives the eager layer its place in a group."""
     args.streams("X", X, leading_dims=True)
     X3 = ops.flat(X, 3)
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
     if _traced.through_ops() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
+        if recompute is not None:
+            recompute.close()  # compiled and DTensor layers keep their streams (design.md §5)
         U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
         handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     else:
@@ -608,6 +641,8 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
             bws = _workspace_for("backward_workspace", backward_workspace, X3,
                                  _backward_need(X3, hp[2], deterministic), _BWD_HELPER)
         state = _LayerState(fn, scale, base, hp, save_stats, deterministic, ws, bws)
+        if recompute is not None:
+            state.link = recompute.enter(X, X3)
         U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X3, fn, scale, base, state)
         handle = MHCTrainHandle(X, (e_dy, e_gs), state=state)
     # U in X's leading dims as no view (a compiled function returning it would hand back a view: strides.in_shape)

@@ -159,6 +159,7 @@ class MHC(_Mapping):
         self.deterministic = _mhc_args.flag("deterministic", deterministic)
         self.save_stats = _mhc_args.flag("save_stats", save_stats)
         self.keep_fp32_mapping = _mhc_args.flag("keep_fp32_mapping", keep_fp32_mapping)
+        self._recompute = None  # the stream-recompute plan shared with its group's layers (recompute_mhc)
         self._own_mapping(layout.n_logits(n), 3, n * C, device, dtype)
 
     def reset_parameters(self) -> None:
@@ -175,7 +176,7 @@ class MHC(_Mapping):
             _copy_whole(self.base, base)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        from .cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_prepare
+        from .cake_mhc_train import _prepare, cake_mhc_train_finish
 
         n, C = self.n_streams, self.hidden_size
         if not isinstance(X, torch.Tensor) or X.dim() < 3 or tuple(X.shape[-2:]) != (n, C):
@@ -192,9 +193,9 @@ class MHC(_Mapping):
                         f"(build it with hidden_size={X.shape[-1]}, or check what feeds it)")
             raise ValueError(f"MHC: expected the residual streams [..., {n}, {C}] (n_streams, hidden_size), "
                              f"got {got}{hint}")
-        U, handle = cake_mhc_train_prepare(X, self.fn, self.scale, self.base, rms_eps=self.rms_eps,
-                                           hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
-                                           save_stats=self.save_stats, deterministic=self.deterministic)
+        plan = self._recompute
+        U, handle = _prepare(X, self.fn, self.scale, self.base, self.rms_eps, self.hc_eps, self.sinkhorn_iters,
+                             self.save_stats, None, None, self.deterministic, recompute=plan)
         B = self.branch(U)
         if not isinstance(B, torch.Tensor) or B.shape != U.shape:
             got = tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__
@@ -203,12 +204,63 @@ class MHC(_Mapping):
         if B.dtype not in _checks.FLOAT_DTYPES:  # (another float dtype than U's is fine: autocast's bf16 branch)
             raise ValueError(f"MHC: the branch must return bfloat16, float16 or float32: given {_dtype(U)}, it "
                              f"returned {_dtype(B)}; cast its output (or the model) to one of them")
-        return cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
+        Y = cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
+        if plan is not None:
+            plan.leave(handle.state.link if handle.state is not None else None, Y)
+        return Y
+
+    @property
+    def recompute_group(self) -> int:
+        """The stream-recompute group size set by ``recompute_mhc`` (1: the layer keeps its streams)."""
+        return 1 if self._recompute is None else self._recompute.group_size
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}, "
                 f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}" + _flags(self, deterministic=True, save_stats=True,
-                                                                         keep_fp32_mapping=False))
+                                                                         keep_fp32_mapping=False, recompute_group=1))
+
+
+def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Module:
+    """Stream recompute (DeepSeek's mHC paper, §4.3.2): the ``MHC`` layers inside ``module`` (itself included)
+    keep their residual streams for the backward only once per group of ``group_size`` consecutive layers, in
+    forward order; the backward rebuilds the others' streams with the mHC kernels alone (never the branch),
+    bit-identical to the forward, so gradients are bitwise those without it. Each layer still keeps its branch
+    output and its per-token record. Returns ``module``.
+
+    ``group_size``: an int >= 1; None takes DeepSeek's Eq. 20, round(sqrt(n * L / (n + 2))) for the L layers
+    found; 1 turns recompute off again (every layer keeps its own streams). Shown in each layer's repr.
+
+    Groups form at run time: a layer joins its predecessor's group only when its input is that layer's output,
+    unchanged, so a group never spans a pipeline-stage boundary or any op between layers. Layers inside
+    ``torch.utils.checkpoint`` (or other saved-tensor hooks) keep their streams through the checkpoint, which
+    already keeps only its region's input. Groups may span FSDP2 units and DDP buckets: the rebuild reads no
+    parameter. Eager only for now: under torch.compile (and with DTensor streams) the layers keep their streams
+    as without recompute, with the same gradients. A second backward through one graph (``retain_graph=True``)
+    raises; turn recompute off for that.
+
+    >>> blocks = torch.nn.Sequential(*(MHC(torch.nn.Linear(32, 32), 32) for _ in range(6)))
+    >>> recompute_mhc(blocks)[0].recompute_group
+    2
+    """
+    from . import _recompute
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module holding cakeops.nn.MHC layers, got {type(module).__name__}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise TypeError(f"group_size: expected an int >= 1 or None (DeepSeek's Eq. 20), got "
+                        f"{type(group_size).__name__}")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"group_size: expected an int >= 1 (1 turns recompute off) or None, got {group_size}")
+    layers = [m for m in module.modules() if isinstance(m, MHC)]
+    if not layers:
+        raise ValueError(f"module: {type(module).__name__} holds no cakeops.nn.MHC layer; recompute_mhc rebuilds "
+                         f"the residual streams of MHC layers (pass the model that contains them)")
+    if group_size is None:
+        group_size = _recompute.default_group_size(layers[0].n_streams, len(layers))
+    plan = None if group_size == 1 else _recompute.RecomputePlan(group_size)
+    for layer in layers:
+        layer._recompute = plan
+    return module
 
 
 def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -1,0 +1,144 @@
+"""Stream recompute (``cakeops.nn.recompute_mhc``; design.md §5): consecutive mHC layers form groups; only a
+group's first layer keeps its input streams X for the backward, the others keep their branch output B and stats
+record (which they keep anyway) and get X rebuilt in the backward by running the forward_finish kernel again --
+never the branch. The same kernel on the same inputs gives the forward's bits, so gradients are bitwise those
+without recompute.
+
+Groups form at run time, in forward order: a layer joins the open group when its input is the very tensor the
+group's last layer returned (same storage, offset, shape, strides, unmodified since), so anything between two
+layers that is not the identity (a pipeline stage's receive, a user's op on the streams) starts a new group and
+can never give a wrong rebuild. A layer inside a saved-tensor hook region (torch.utils.checkpoint, save_on_cpu)
+keeps its X through those hooks and closes the group: the checkpoint already keeps only its region's input.
+
+A group's streams are rebuilt all at once, at the first backward that needs one (the group's last layer), and
+each layer's copy, B and record go after its prepare node's backward: the transient of DeepSeek's Eq. 20, whose
+group size ``default_group_size`` takes. A second backward through the same graph (``retain_graph=True``) finds
+them gone and raises, naming the way out.
+"""
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def default_group_size(n_streams: int, n_layers: int) -> int:
+    """DeepSeek's Eq. 20: L_r* = sqrt(n * L / (n + 2)) minimises kept + rebuilt streams, rounded, at least 1."""
+    return max(1, round(math.sqrt(n_streams * n_layers / (n_streams + 2))))
+
+
+class _Signature:
+    """What identifies a layer's output without keeping it alive: its storage (weakly), offset, shape, strides
+    and version."""
+
+    def __init__(self, t: Tensor):
+        self.storage = StorageWeakRef(t.untyped_storage())
+        self.where = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        self.version = t._version
+
+    def matches(self, t: Tensor) -> bool:
+        return (not self.storage.expired() and self.storage == StorageWeakRef(t.untyped_storage())
+                and self.where == (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+                and self.version == t._version)
+
+
+class StreamGroup:
+    """One group: its first layer's input X0 [T, n, C] and, per layer so far, (B, stats) -- what forward_finish
+    read -- so that layer k's input is k finishes of X0. ``rebuilt[k]``: layer k's streams while its backward
+    needs them."""
+
+    def __init__(self, X0: Tensor):
+        self.X0 = X0
+        self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
+        self.rebuilt = {}
+        self.released = set()
+
+    def streams(self, k: int) -> Tensor:
+        if k not in self.rebuilt:
+            if self.X0 is None or any(link is None for link in self.links[:k]):
+                raise RuntimeError(
+                    "cakeops.nn.recompute_mhc: a backward needs an mHC layer's residual streams, which its group "
+                    "released after the first backward through it; a second backward through the same graph "
+                    "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
+            from ._ops import mhc as ops
+
+            X = self.X0
+            for j in range(1, len(self.links)):  # the last layer's output is no layer's input in the group
+                if self.links[j - 1] is None:  # layers from j on are done
+                    break
+                B, stats = self.links[j - 1]
+                X = ops.finish_impl(X, ops.flat(B, 2), stats)
+                if j not in self.released:
+                    self.rebuilt[j] = X
+        return self.rebuilt[k]
+
+    def release(self, k: int) -> None:
+        """Layer k's backward is done: its rebuilt streams, B and record go; after the first layer's, X0."""
+        self.rebuilt.pop(k, None)
+        self.released.add(k)
+        if k < len(self.links):
+            self.links[k] = None
+        if k == 0:
+            self.X0 = None
+
+
+class StreamLink:
+    """A layer's place in its group: ``k`` = 0 keeps X (the group's first layer), k > 0 has it rebuilt."""
+
+    def __init__(self, group: StreamGroup, k: int):
+        self.group, self.k = group, k
+
+    @property
+    def rebuilds(self) -> bool:
+        return self.k > 0
+
+    def streams(self) -> Tensor:
+        return self.group.streams(self.k)
+
+    def finished(self, B: Tensor, stats: Tensor) -> None:
+        """The layer's forward_finish ran on (B, stats): the next layer's input is one more finish."""
+        self.group.links.append((B, stats))
+
+    def release(self) -> None:
+        self.group.release(self.k)
+
+
+class RecomputePlan:
+    """Shared by the MHC layers of one ``recompute_mhc`` call: the group size and the group open in the current
+    forward."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+        self._open: Optional[StreamGroup] = None
+        self._last: Optional[_Signature] = None
+
+    def enter(self, X: Tensor, X3: Tensor) -> Optional[StreamLink]:
+        """At a layer's eager forward with X as given and X3 its [T, n, C] form: its link (joining the open
+        group or starting one), or None where the layer keeps X as without recompute (no grad; inside
+        saved-tensor hooks)."""
+        if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            self.close()
+            return None
+        group = self._open
+        if group is not None and len(group.links) < self.group_size and self._last.matches(X):
+            return StreamLink(group, len(group.links))
+        self._open = StreamGroup(X3)
+        return StreamLink(self._open, 0)
+
+    def leave(self, link: Optional[StreamLink], Y: Tensor) -> None:
+        """After the layer's forward: Y [..., n, C] is what the next layer of the group must take (a layer
+        nested in another's branch closes the outer one's group)."""
+        if link is None or link.group is not self._open:
+            self.close()
+        else:
+            self._last = _Signature(Y)
+
+    def close(self) -> None:
+        self._open, self._last = None, None
+
+    def __getstate__(self):  # copies and pickles of a model take the setting, not a forward's open group
+        return {"group_size": self.group_size}
+
+    def __setstate__(self, state):
+        self.__init__(state["group_size"])

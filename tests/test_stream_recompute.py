@@ -1,0 +1,190 @@
+"""Stream recompute (cakeops.nn.recompute_mhc): gradients bitwise those without it, groups that never cross what
+they must not, errors in the user's terms, and the activation memory it saves (live bytes, CPU)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cakeops import nn as cnn
+from cakeops.tiny_lm import TinyLM
+from conftest import DEVICE
+
+
+def _stack(n: int, C: int, layers: int, dtype=torch.float32, gated: bool = False, **mhc):
+    """Expand -> `layers` MHC layers around small nonlinear branches -> head: every layer's streams differ."""
+    torch.manual_seed(1234 + layers)
+    blocks = [cnn.StreamExpand(n)]
+    for _ in range(layers):
+        blocks.append(cnn.MHC(nn.Sequential(cnn.RMSNorm(C), nn.Linear(C, C), nn.GELU()), C, n, **mhc))
+    blocks.append(cnn.MHCHead(n, gated=gated, hidden_size=C if gated else None))
+    model = nn.Sequential(*blocks).to(DEVICE, dtype)
+    with torch.no_grad():  # mixing far from uniform, gates far from their start: every term of the backward matters
+        for m in model.modules():
+            if isinstance(m, cnn.MHC):
+                m.scale.fill_(0.5)
+                m.base.add_(torch.randn_like(m.base))
+    return model
+
+
+def _grads(model, h, dY):
+    h = h.detach().requires_grad_()
+    out = model(h)
+    out.backward(dY)
+    return [h.grad] + [p.grad for p in model.parameters()], out
+
+
+def _assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x is not None and y is not None, i
+        assert torch.equal(x, y), f"gradient {i} differs: max |diff| {(x.float() - y.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("group_size", [2, 3, None])
+def test_gradients_bitwise(backend, n, group_size, monkeypatch):
+    """5 layers in groups of 2 / 3 / Eq. 20: outputs and every gradient (streams' input, mappings, branches)
+    bitwise equal to the same model without recompute, random upstream gradient; the followers' streams were
+    rebuilt (each layer but a group's first asked for them, twice: finish and prepare nodes)."""
+    from cakeops import _recompute
+
+    C, layers = 32, 5
+    plain = _stack(n, C, layers)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), group_size)
+    asked = []
+    original = _recompute.StreamGroup.streams
+    monkeypatch.setattr(_recompute.StreamGroup, "streams", lambda g, k: asked.append(k) or original(g, k))
+    h = torch.randn(2, 3, C, device=DEVICE)
+    dY = torch.randn(2, 3, C, device=DEVICE)
+    g_plain, y_plain = _grads(plain, h, dY)
+    assert not asked
+    g_rc, y_rc = _grads(rc, h, dY)
+    size = rc[1].recompute_group
+    assert sorted(asked) == sorted(2 * [k % size for k in range(layers) if k % size])
+    assert torch.equal(y_plain, y_rc)
+    _assert_bitwise(g_plain, g_rc)
+
+
+def test_bf16_gated_head_save_stats_off(backend):
+    """bf16 model (model.to(bf16)), the gated head, save_stats=False, a group spanning all layers."""
+    C = 32
+    plain = _stack(4, C, 4, dtype=torch.bfloat16, gated=True, save_stats=False)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), 4)
+    h = torch.randn(6, C, device=DEVICE, dtype=torch.bfloat16)
+    dY = torch.randn(6, C, device=DEVICE, dtype=torch.bfloat16)
+    _assert_bitwise(_grads(plain, h, dY)[0], _grads(rc, h, dY)[0])
+
+
+def test_language_model_trains_the_same(backend):
+    """TinyLM (attention + MLP branches, 6 mHC layers), three AdamW steps: losses and parameters bitwise equal."""
+    torch.manual_seed(7)
+    plain = TinyLM(vocab=50, dim=32, layers=3, heads=2, max_len=16).to(DEVICE)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), 3)
+    tokens = torch.randint(0, 50, (2, 9), device=DEVICE)
+    for model in (plain, rc):
+        model.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        losses = []
+        for model in (plain, rc):
+            model.opt.zero_grad()
+            loss = model.loss(tokens)
+            loss.backward()
+            model.opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+    for p, q in zip(plain.parameters(), rc.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_groups_follow_the_chain():
+    """Groups of 3 over 5 layers: [0 1 2] [3 4]; an op on the streams between two layers starts a new group;
+    under checkpoint or no_grad the layers keep their streams; gradients stay bitwise equal in every case."""
+    from cakeops import _recompute
+
+    C = 16
+    model = cnn.recompute_mhc(_stack(4, C, 5), 3)
+    layers = [m for m in model if isinstance(m, cnn.MHC)]
+    seen = []
+    original = _recompute.RecomputePlan.enter
+
+    def spy(plan, X, X3):
+        link = original(plan, X, X3)
+        seen.append(None if link is None else link.k)
+        return link
+
+    h = torch.randn(4, C, device=DEVICE, requires_grad=True)
+    try:
+        _recompute.RecomputePlan.enter = spy
+        model(h).sum().backward()
+        assert seen == [0, 1, 2, 0, 1]
+        seen.clear()
+        X = model[0](h)
+        X = layers[0](X)
+        X = layers[1](X * 1.0)  # not the previous layer's output: a new group
+        X = layers[2](X)
+        torch.utils.checkpoint.checkpoint(layers[3], X, use_reentrant=False).sum().backward()
+        assert seen[:3] == [0, 0, 1] and seen[3:] == [None, None]  # checkpointed: once in forward, once replayed
+        seen.clear()
+        with torch.no_grad():
+            model(h)
+        assert seen == [None] * 5
+    finally:
+        _recompute.RecomputePlan.enter = original
+
+
+def test_checkpointed_blocks_bitwise(backend):
+    """Whole-block activation checkpointing around pairs of layers with recompute on: the same gradients."""
+    C = 16
+    plain = _stack(4, C, 4)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), 4)
+
+    def run(model, h, dY):
+        h = h.detach().requires_grad_()
+        X = model[0](h)
+        X = torch.utils.checkpoint.checkpoint(nn.Sequential(model[1], model[2]), X, use_reentrant=False)
+        X = model[3](model[4](X))
+        model[5](X).backward(dY)
+        return [h.grad] + [p.grad for p in model.parameters()]
+
+    h, dY = torch.randn(5, C, device=DEVICE), torch.randn(5, C, device=DEVICE)
+    _assert_bitwise(run(plain, h, dY), run(rc, h, dY))
+
+
+def test_retain_graph_second_backward_raises():
+    model = cnn.recompute_mhc(_stack(4, 16, 3), 3)
+    out = model(torch.randn(3, 16, device=DEVICE, requires_grad=True))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True.*group_size=1"):
+        out.sum().backward()
+
+
+def test_turn_off_repr_copies():
+    model = _stack(4, 16, 6)
+    assert cnn.recompute_mhc(model) is model
+    layer = model[1]
+    assert layer.recompute_group == 2 and "recompute_group=2" in repr(layer)  # Eq. 20: sqrt(4*6/6) = 2
+    clone = copy.deepcopy(model)
+    assert clone[1].recompute_group == 2 and clone[1]._recompute is clone[2]._recompute
+    cnn.recompute_mhc(model, group_size=1)
+    assert layer.recompute_group == 1 and "recompute" not in repr(layer)
+    out = model(torch.randn(3, 16, device=DEVICE))
+    torch.save(cnn.recompute_mhc(model, 5), __import__("io").BytesIO())  # a whole-model save pickles the setting
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (0, ValueError, "group_size: expected an int >= 1"), (-2, ValueError, "group_size"),
+    (2.0, TypeError, "group_size: expected an int"), (True, TypeError, "group_size"),
+])
+def test_bad_group_size(bad, error, match):
+    model = _stack(4, 16, 2)
+    with pytest.raises(error, match=match):
+        cnn.recompute_mhc(model, bad)
+    assert all(m.recompute_group == 1 for m in model if isinstance(m, cnn.MHC))  # nothing changed
+
+
+def test_no_mhc_inside():
+    with pytest.raises(ValueError, match="module: Sequential holds no cakeops.nn.MHC"):
+        cnn.recompute_mhc(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="module: expected an nn.Module"):
+        cnn.recompute_mhc([cnn.MHC(nn.Identity(), 4)])
