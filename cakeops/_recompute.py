@@ -10,10 +10,12 @@ layers that is not the identity (a pipeline stage's receive, a user's op on the 
 can never give a wrong rebuild. A layer inside a saved-tensor hook region (torch.utils.checkpoint, save_on_cpu)
 keeps its X through those hooks and closes the group: the checkpoint already keeps only its region's input.
 
-A group's streams are rebuilt all at once, at the first backward that needs one (the group's last layer), and
-each layer's copy, B and record go after its prepare node's backward: the transient of DeepSeek's Eq. 20, whose
-group size ``default_group_size`` takes. A second backward through the same graph (``retain_graph=True``) finds
-them gone and raises, naming the way out.
+Each layer's streams are rebuilt from X0 when its backward first needs them (its finish node), in one pass of
+the rebuild kernel through the group's earlier layers (X0 and their B's read once, the streams written once), and
+dropped with its B and record after its prepare node's backward. So a group holds one layer's rebuilt streams at a
+time, not all of them (DeepSeek's Eq. 20 assumes the latter), and a larger group costs only more reads of B
+(C elements per earlier layer). A second backward through the same graph (``retain_graph=True``) finds them gone
+and raises, naming the way out.
 """
 import math
 from typing import List, Optional, Tuple
@@ -52,7 +54,6 @@ class StreamGroup:
         self.X0 = X0
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
         self.rebuilt = {}
-        self.released = set()
 
     def streams(self, k: int) -> Tensor:
         if k not in self.rebuilt:
@@ -63,20 +64,12 @@ class StreamGroup:
                     "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             from ._ops import mhc as ops
 
-            X = self.X0
-            for j in range(1, len(self.links)):  # the last layer's output is no layer's input in the group
-                if self.links[j - 1] is None:  # layers from j on are done
-                    break
-                B, stats = self.links[j - 1]
-                X = ops.finish_impl(X, ops.flat(B, 2), stats)
-                if j not in self.released:
-                    self.rebuilt[j] = X
+            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k])
         return self.rebuilt[k]
 
     def release(self, k: int) -> None:
         """Layer k's backward is done: its rebuilt streams, B and record go; after the first layer's, X0."""
         self.rebuilt.pop(k, None)
-        self.released.add(k)
         if k < len(self.links):
             self.links[k] = None
         if k == 0:

@@ -188,3 +188,30 @@ def test_no_mhc_inside():
         cnn.recompute_mhc(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(TypeError, match="module: expected an nn.Module"):
         cnn.recompute_mhc([cnn.MHC(nn.Identity(), 4)])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on inf - inf
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rebuild_kernel_is_chained_finishes(triton_kernels, n, dtype):
+    """The one-pass rebuild kernel against the forward_finish kernel chained, bit for bit: K = 1..4 layers,
+    random records (any post / comb values), a C that is not a power of two, a branch output with a row stride,
+    a negative zero and an inf among the streams."""
+    from cakeops._ops import mhc as ops
+    from cakeops.meta import mhc_layout as layout
+
+    T, C = 5, 200
+    X0 = torch.randn(T, n, C, device=DEVICE).to(dtype)
+    X0[0, 0, 0], X0[1, n - 1, 3] = -0.0, float("inf")
+    links = []
+    for _ in range(4):
+        B = torch.randn(T, C + 8, device=DEVICE).to(dtype)[:, 3:3 + C]
+        stats = torch.randn(T, layout.stats_width(n), device=DEVICE)
+        links.append((B, stats))
+        chained = X0
+        for B_, s_ in links:
+            chained = ops.finish_impl(chained, B_, s_)
+        rebuilt = ops.rebuild_impl(X0, links)
+        assert rebuilt.dtype == dtype and rebuilt.shape == X0.shape
+        assert torch.equal(rebuilt.view(torch.int8),
+                           chained.view(torch.int8)), f"K={len(links)}"

@@ -49,6 +49,34 @@ def _finish_kernel(
 
 
 @triton.jit
+def _rebuild_kernel(
+    X0, B0, B_PTRS, B_STRIDES, S_PTRS, Y, C, K, stride_xt, stride_xi, stride_yt, stride_yi, c_blocks,
+    N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One (token, C block) of K forward_finishes in a row from X0 (stream recompute): layer l's branch output
+    and record at the addresses B_PTRS[l] (row stride B_STRIDES[l], B0's dtype) and S_PTRS[l]. Each layer's
+    arithmetic is _finish_kernel's, in its order, and its streams are rounded as finish stores them, so the
+    result is bitwise the K-th finish's output. A stream row comes out of the register tile by a sum with -0.0
+    elsewhere: x + (-0.0) is x for every x, so the row is exact."""
+    t, c = _token_and_columns(c_blocks, BLOCK_C)
+    c_ok = c < C
+    j = tl.arange(0, N)
+    x = tl.load(X0 + t * stride_xt + j[:, None] * stride_xi + c[None, :], mask=c_ok[None, :], other=0.0)
+    x = x.to(tl.float32)
+    for layer in range(K):
+        b_at = tl.load(B_PTRS + layer).to(tl.pointer_type(B0.dtype.element_ty))
+        s_row = tl.load(S_PTRS + layer).to(tl.pointer_type(tl.float32)) + t * STATS_WIDTH(N)
+        b = tl.load(b_at + t * tl.load(B_STRIDES + layer) + c, mask=c_ok, other=0.0).to(tl.float32)
+        y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
+        for i in tl.static_range(N):
+            x_i = tl.sum(tl.where(j[:, None] == i, x, -0.0), axis=0)
+            y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x_i[None, :]
+        x = y.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
+             mask=c_ok[None, :])
+
+
+@triton.jit
 def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st, c_blocks,
                      N: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr):
     """WEIGHTED: Y = sum_i pre_i * X_i, pre_i at column PRE + i of the record row (stride_st floats apart: the
@@ -115,6 +143,27 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     fast(_finish_kernel)[(T * c_blocks,)](
         X, B, stats, Y, C, X.stride(0), X.stride(1), B.stride(0), Y.stride(0), Y.stride(1), c_blocks,
         N=n, BLOCK_C=block_c, num_warps=warps,
+    )
+
+
+def rebuild(X0: torch.Tensor, Bs, stats_list, Y: torch.Tensor) -> None:
+    """Y = the streams after len(Bs) forward_finishes of X0 with the branch outputs ``Bs`` ([T, C], one dtype,
+    unit stride along C) and records ``stats_list`` (contiguous), in one pass: bitwise the chained finishes.
+    The layers' addresses travel in a small device table (not capturable in a CUDA graph: the caller chains
+    ``finish`` there)."""
+    T, n, C = X0.shape
+    if T == 0:
+        return
+    assert X0.stride(2) == 1 and Y.stride(2) == 1 and all(B.stride(1) == 1 for B in Bs)
+    assert all(s.is_contiguous() for s in stats_list) and len({B.dtype for B in Bs}) == 1
+    table = torch.tensor([[B.data_ptr() for B in Bs], [B.stride(0) for B in Bs], [s.data_ptr() for s in stats_list]],
+                         dtype=torch.int64).to(X0.device)
+    block_c, warps = (StreamConfig()).resolve(C)
+    block_c = min(block_c, 8192 // n)  # the streams stay in registers: n * BLOCK_C floats per program
+    c_blocks = cdiv(C, block_c)
+    fast(_rebuild_kernel)[(T * c_blocks,)](
+        X0, Bs[0], table[0], table[1], table[2], Y, C, len(Bs), X0.stride(0), X0.stride(1), Y.stride(0),
+        Y.stride(1), c_blocks, N=n, BLOCK_C=block_c, num_warps=max(1, min(8, block_c // 256)),
     )
 
 

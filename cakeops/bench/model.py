@@ -42,9 +42,10 @@ from . import kernel_breakdown, plot, report
 from .cli import _say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
 
-VARIANT_TITLES = {"plain": "plain residual", "cakeops": "cakeops mHC", "te": "TE Triton mHC",
+VARIANT_TITLES = {"plain": "plain residual", "cakeops": "cakeops mHC", "cakeops-recompute": "cakeops mHC + recompute",
+                  "te": "TE Triton mHC",
                   "math": "mHC as torch.compile'd math"}
-PRESET_GROUPS = {"issue": ["c2048", "c4096"]}
+PRESET_GROUPS = {"issue": ["c2048", "c4096"], "memory": ["c2048", "c4096", "deep"]}
 SIZE_FLAGS = ("dim", "blocks", "ffn", "heads", "batch", "seq", "vocab", "streams", "sinkhorn_iters")
 # The agreement check (FP32, tiny config): cakeops vs math. On CPU both run the reference math; on a GPU the
 # cakeops side runs the Triton kernels (TF32x3 projections in FP32).
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="activations and weights; mHC mappings stay FP32 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated residual schemes to time (default: {','.join(VARIANTS)})")
+    p.add_argument("--recompute-group", type=int, default=None,
+                   help="cakeops-recompute's group size (default: recompute_mhc's own; stream recompute applies to "
+                        "eager models: --no-compile)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the whole model and loss, fullgraph=True (default); --no-compile: eager")
     p.add_argument("--backend", default=None,
@@ -162,7 +166,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
     model = opt = fn = None
     try:
         _say(f"  {variant}: building the model")
-        model = build(cfg, variant, device, dtype, opts.norm, opts.seed)
+        model = build(cfg, variant, device, dtype, opts.norm, opts.seed, recompute_group=opts.recompute_group)
         row["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
         tokens, targets = _tokens(cfg, device, opts.seed)
@@ -213,6 +217,9 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
             step()
         _sync(device)
         if device.type == "cuda":
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            row["weights_gib"] = torch.cuda.memory_allocated(device) / 2 ** 30  # (and optimizer state)
             torch.cuda.reset_peak_memory_stats(device)
         times, host = [], []
         for _ in _steps_progress(opts.steps, f"{variant} timed"):
@@ -229,6 +236,8 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         row["first_step_s"] = first_s
         row["compile_s"] = max(0.0, first_s - row["step_ms"] / 1e3)
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        if row["peak_gib"] is not None:  # activations, gradients and the step's transients
+            row["peak_above_weights_gib"] = row["peak_gib"] - row["weights_gib"]
         if opts.profile and device.type == "cuda":
             _say(f"  {variant}: one step under the profiler")
             row["gpu_ms_by_kind"], row["cakeops_kernel_ms"] = kernel_breakdown.breakdown(step, device)
@@ -252,6 +261,8 @@ def _overheads(rows: List[Dict[str, Any]]) -> None:
         r["overhead_pct"] = 100.0 * (r["step_ms"] - plain["step_ms"]) / plain["step_ms"] if ok else None
         r["peak_overhead_pct"] = (100.0 * (r["peak_gib"] - plain["peak_gib"]) / plain["peak_gib"]
                                   if ok and r.get("peak_gib") and plain.get("peak_gib") else None)
+        above, plain_above = r.get("peak_above_weights_gib"), plain.get("peak_above_weights_gib") if plain else None
+        r["peak_above_vs_plain"] = above / plain_above if ok and above and plain_above else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,7 +362,8 @@ def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) ->
 
 def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
     columns = ["config", "variant", "step ms", "vs plain", "host ms", "tokens/s",
-               "peak GiB" if cuda else "peak GiB (CUDA)", "peak vs plain", "compile s", "first loss", "params", "notes"]
+               "peak GiB" if cuda else "peak GiB (CUDA)", "peak vs plain", "above weights GiB", "above vs plain",
+               "compile s", "first loss", "params", "notes"]
     cells = []
     for res in results:
         for r in res["rows"]:
@@ -361,6 +373,7 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
                           _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
                           _fmt(r.get("peak_gib"), ".2f"), _pct(r.get("peak_overhead_pct")),
+                          _fmt(r.get("peak_above_weights_gib"), ".2f"), _fmt(r.get("peak_above_vs_plain"), ".2f", "×"),
                           _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("loss"), ".4f"),
                           _fmt(r.get("params") and r["params"] / 1e6, ".1f", "M"), "; ".join(notes)])
     return columns, cells

@@ -10,6 +10,8 @@ Variants (the residual scheme around every attention and MLP branch):
 
 - ``plain``: ``h = h + branch(norm(h))``, one stream.
 - ``cakeops``: ``StreamExpand`` -> ``cakeops.nn.MHC(branch)`` per branch -> ``MHCHead``; mappings kept FP32.
+- ``cakeops-recompute``: ``cakeops`` with stream recompute (``cakeops.nn.recompute_mhc``, Eq. 20's group size):
+  the same weights and the same gradients, fewer residual streams kept for the backward (eager models).
 - ``math``: the same layer, the same parameters and initialisation (``MathMHC`` subclasses ``nn.MHC``), written
   in plain differentiable torch ops -- ``cakeops.reference.mhc.layer``, the SPEC math with its 20-step Sinkhorn --
   for torch.compile to fuse. Streams ``[..., n, C]`` as cakeops; the head is the mean of the streams.
@@ -28,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import MHC, MHCHead, RMSNorm, StreamExpand
+from ..nn import MHC, MHCHead, RMSNorm, StreamExpand, recompute_mhc
 from ..reference import mhc as reference_mhc
 
-VARIANTS = ("plain", "cakeops", "math", "te")
+VARIANTS = ("plain", "cakeops", "cakeops-recompute", "math", "te")
 TE_MODULE = "transformer_engine.pytorch.triton.mhc"
 
 
@@ -59,6 +61,7 @@ class Config:
 PRESETS: Dict[str, Config] = {
     "c2048": Config(dim=2048, blocks=4, ffn=5632, heads=16, batch=2, seq=4096),
     "c4096": Config(dim=4096, blocks=2, ffn=11008, heads=32, batch=2, seq=4096),
+    "deep": Config(dim=2048, blocks=16, ffn=5632, heads=16, batch=1, seq=4096),  # groups of recompute matter
     "tiny": Config(dim=64, blocks=2, ffn=172, heads=4, batch=2, seq=32, vocab=256),
 }
 
@@ -206,7 +209,7 @@ def te_state_dict(state: Dict[str, torch.Tensor], n: int) -> Dict[str, torch.Ten
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, cfg: Config, variant: str, norm: str = "cakeops"):
+    def __init__(self, cfg: Config, variant: str, norm: str = "cakeops", recompute_group: Optional[int] = None):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
@@ -221,15 +224,18 @@ class DecoderLM(nn.Module):
                 if variant == "plain":
                     layers.append(Residual(branch))
                 else:
-                    cls = {"cakeops": MHC, "math": MathMHC, "te": TEMHC}[variant]
+                    cls = {"cakeops": MHC, "cakeops-recompute": MHC, "math": MathMHC, "te": TEMHC}[variant]
                     layers.append(cls(branch, C, n, sinkhorn_iters=cfg.sinkhorn_iters, keep_fp32_mapping=True))
         self.layers = nn.ModuleList(layers)
+        family = "cakeops" if variant.startswith("cakeops") else variant
         self.expand = {"plain": nn.Identity(), "cakeops": StreamExpand(n), "math": StreamExpand(n),
-                       "te": StreamsLast(n)}[variant]
+                       "te": StreamsLast(n)}[family]
         self.collapse = {"plain": nn.Identity(), "cakeops": MHCHead(), "math": MeanHead(-2),
-                         "te": MeanHead(-1)}[variant]
+                         "te": MeanHead(-1)}[family]
         self.norm = Norm(C, eps=1e-6)
         self.lm_head = nn.Linear(C, cfg.vocab, bias=False)
+        if variant == "cakeops-recompute":
+            recompute_mhc(self, recompute_group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.expand(self.embed(tokens))
@@ -243,13 +249,13 @@ class DecoderLM(nn.Module):
 
 
 def build(cfg: Config, variant: str, device, dtype: torch.dtype, norm: str = "cakeops", seed: int = 0,
-          state: Optional[Dict[str, torch.Tensor]] = None) -> DecoderLM:
+          state: Optional[Dict[str, torch.Tensor]] = None, recompute_group: Optional[int] = None) -> DecoderLM:
     """The model, its weights drawn from ``seed`` (the same weights for every mHC variant: same parameters, same
     order), cast to ``dtype`` with the mHC mappings kept FP32. ``state``: load these weights instead (cakeops
     layout; converted for ``te``)."""
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs: no multi-GB copy from the host
-        model = DecoderLM(cfg, variant, norm)
+        model = DecoderLM(cfg, variant, norm, recompute_group)
     model.to(dtype)
     if state is not None:
         model.load_state_dict(te_state_dict(state, cfg.streams) if variant == "te" else state)
