@@ -54,6 +54,7 @@ class StreamGroup:
         self.X0 = X0
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
         self.rebuilt = {}
+        self.prepared = {}  # the rebuild kernel's table of the group's layers, made at the first rebuild
 
     def streams(self, k: int) -> Tensor:
         if k not in self.rebuilt:
@@ -64,7 +65,7 @@ class StreamGroup:
                     "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             from ._ops import mhc as ops
 
-            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k])
+            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k], self.prepared)
         return self.rebuilt[k]
 
     def release(self, k: int) -> None:
@@ -72,8 +73,11 @@ class StreamGroup:
         self.rebuilt.pop(k, None)
         if k < len(self.links):
             self.links[k] = None
+            for tensors in (self.prepared.get("Bs"), self.prepared.get("stats")):
+                if tensors is not None and k < len(tensors):
+                    tensors[k] = None  # no later rebuild reads layer k's columns: only earlier layers' streams remain
         if k == 0:
-            self.X0 = None
+            self.X0, self.prepared = None, {}
 
 
 class StreamLink:

@@ -117,20 +117,28 @@ def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None)
     return unflat(Y3, X.shape) if Y is None else Y
 
 
-def rebuild_impl(X0: Tensor, links) -> Tensor:
+def rebuild_impl(X0: Tensor, links, prepared: Optional[dict] = None) -> Tensor:
     """The streams after the forward_finishes of X0 [T, n, C] with ``links`` [(B, stats), ...] in order (stream
     recompute, _recompute.py): bitwise the forward's. One pass of the Triton rebuild kernel where it can run
     (one branch dtype; not while a CUDA graph is being captured), else the finishes chained in one buffer (the
-    finish kernel reads a token's streams before it writes them: in place is exact)."""
+    finish kernel reads a token's streams before it writes them: in place is exact). ``prepared``: a dict the
+    caller keeps per group, where the kernel's table of the layers' addresses is made once for the longest
+    ``links`` asked (with the tensors it points into) and serves every shorter one."""
     X0 = unit_last(X0)
-    Bs = [unit_last(flat(B, 2)) for B, _ in links]
-    stats_list = [unit_last(stats) for _, stats in links]
+    k = len(links)
+    if prepared is None or prepared.get("k", -1) < k:
+        Bs = [unit_last(flat(B, 2)) for B, _ in links]
+        prepared = {} if prepared is None else prepared
+        prepared.update(k=k, Bs=Bs, stats=[unit_last(stats) for _, stats in links], table=None)
+    Bs, stats_list = prepared["Bs"][:k], prepared["stats"][:k]
     if (_backend.use_triton(X0) and len({B.dtype for B in Bs}) == 1
             and not (X0.is_cuda and torch.cuda.is_current_stream_capturing())):
         from .._triton import mhc_forward as kernels
         Y = torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)
         with _backend.kernel_device(X0):
-            kernels.rebuild(X0, Bs, stats_list, Y)
+            if prepared["table"] is None:
+                prepared["table"] = kernels.rebuild_table(prepared["Bs"], prepared["stats"], X0.device)
+            kernels.rebuild(X0, Bs, stats_list, Y, prepared["table"])
         return Y
     Y = None
     for B, stats in zip(Bs, stats_list):
