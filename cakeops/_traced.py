@@ -7,12 +7,14 @@ _ops/inductor.py -- and writes the results into the buffers the caller gave, as 
 workspace is unused there: Inductor plans the scratch. Gradients stay out of it as in eager (``no_grad``): these
 functions are the autograd-free layer.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from cakeops.meta import mhc as mhc_meta
+
+from ._buffers import into
 
 ops = torch.ops.cakeops
 
@@ -31,14 +33,6 @@ def through_ops() -> bool:
 
     flops.register_if_counter_loaded()  # FlopCounterMode may be the mode
     return True
-
-
-def into(values: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],
-         added: Sequence[bool] = ()) -> Tuple[Tensor, ...]:
-    """Each value written into the caller's buffer where one was given (added to it where ``added``), else
-    returned as it is."""
-    added = tuple(added) + (False,) * (len(values) - len(added))
-    return tuple(v if b is None else (b.add_(v) if add else b.copy_(v)) for v, b, add in zip(values, buffers, added))
 
 
 def mhc_prepare(X, fn, scale, base, hp, U: Optional[Tensor], stats: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
