@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_breakdown, plot, report
-from .cli import _say
+from .console import say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
 
 VARIANT_TITLES = {"plain": "plain residual", "cakeops": "cakeops mHC", "te": "TE Triton mHC",
@@ -124,7 +124,7 @@ def _heartbeat(label: str, every: float = 10.0):
 
     def beat():
         while not stop.wait(every):
-            _say(f"  {label}: compiling, {time.perf_counter() - t0:.0f} s")
+            say(f"  {label}: compiling, {time.perf_counter() - t0:.0f} s")
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
@@ -139,7 +139,7 @@ def _steps_progress(n: int, label: str):
     try:
         from tqdm import tqdm
     except ImportError:
-        _say(f"  {label}: {n} steps...")
+        say(f"  {label}: {n} steps...")
         return range(n)
     return tqdm(range(n), desc=f"  {label}", unit="step", leave=False)
 
@@ -161,7 +161,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
             return row
     model = opt = fn = None
     try:
-        _say(f"  {variant}: building the model")
+        say(f"  {variant}: building the model")
         model = build(cfg, variant, device, dtype, opts.norm, opts.seed)
         row["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
@@ -184,7 +184,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
 
         fn = compiled(fullgraph)
         what = f"compiling with {opts.backend} (first forward + backward)" if opts.compile else "first step (eager)"
-        _say(f"  {variant}: {what}")
+        say(f"  {variant}: {what}")
         t0 = time.perf_counter()
         loss = None
         try:
@@ -196,7 +196,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
                 raise
             row["graph_break"] = _first_line(exc)
         if loss is None:  # retried outside the except block: its traceback no longer holds the first try's tensors
-            _say(f"  {variant}: fullgraph=True failed ({row['graph_break']}); compiling again with graph breaks")
+            say(f"  {variant}: fullgraph=True failed ({row['graph_break']}); compiling again with graph breaks")
             fullgraph = False
             fn = compiled(False)
             t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         row["compile_s"] = max(0.0, first_s - row["step_ms"] / 1e3)
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         if opts.profile and device.type == "cuda":
-            _say(f"  {variant}: one step under the profiler")
+            say(f"  {variant}: one step under the profiler")
             row["gpu_ms_by_kind"], row["cakeops_kernel_ms"] = kernel_breakdown.breakdown(step, device)
     except torch.cuda.OutOfMemoryError as exc:
         row["status"] = f"out of memory ({_first_line(exc)[:120]})"
@@ -472,7 +472,7 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
             title += "\n(CPU: checks that the variants run; not performance numbers)"
         written.append(step_time_plot(out / "model.png", results, variants, title))
     else:
-        _say("matplotlib is not installed: no plot (pip install matplotlib)")
+        say("matplotlib is not installed: no plot (pip install matplotlib)")
     return written
 
 
@@ -490,7 +490,7 @@ def _configs(opts, parser, cuda: bool, explicit_cpu: bool) -> List[tuple]:
         parser.error(f"--preset: unknown {', '.join(unknown) or '(none given)'}; known: "
                      f"{', '.join(list(PRESETS) + list(PRESET_GROUPS))}")
     if not cuda and not explicit_cpu and any(n != "tiny" for n in names):
-        _say(f"No CUDA device: running the tiny config instead of {','.join(names)}.")
+        say(f"No CUDA device: running the tiny config instead of {','.join(names)}.")
         names = ["tiny"]
     names = list(dict.fromkeys(names))
     overrides = {k: getattr(opts, k) for k in SIZE_FLAGS if getattr(opts, k) is not None}
@@ -555,14 +555,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"== {name}: {cfg.label}, {cfg.heads} heads, vocab {cfg.vocab}, {cfg.streams} streams ==", flush=True)
         rows = []
         for i, v in enumerate(variants, 1):
-            _say(f"[{i}/{len(variants)}] {VARIANT_TITLES[v]}")
+            say(f"[{i}/{len(variants)}] {VARIANT_TITLES[v]}")
             row = run_variant(cfg, v, opts, device, dtype)
             rows.append(row)
             if row["status"] == "ok":
-                _say(f"  {v}: {row['step_ms']:.2f} ms/step, compile {row['compile_s']:.1f} s, first loss "
+                say(f"  {v}: {row['step_ms']:.2f} ms/step, compile {row['compile_s']:.1f} s, first loss "
                      f"{row['loss']:.4f}" + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] else ""))
             else:
-                _say(f"  {v}: {row['status']}")
+                say(f"  {v}: {row['status']}")
         _overheads(rows)
         results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows})
         ok = ok and all(r["status"] == "ok" or r.get("skipped") for r in rows)  # TE absent is no failure
