@@ -7,7 +7,7 @@ _ops/inductor.py -- and writes the results into the buffers the caller gave, as 
 workspace is unused there: Inductor plans the scratch. Gradients stay out of it as in eager (``no_grad``): these
 functions are the autograd-free layer.
 """
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -17,6 +17,16 @@ from cakeops.meta import mhc as mhc_meta
 from ._buffers import into
 
 ops = torch.ops.cakeops
+
+_dispatch_mode_hooks: List[Callable[[], None]] = []
+
+
+def on_dispatch_mode(hook: Callable[[], None]) -> None:
+    """``hook()`` runs whenever a call finds a dispatch mode active (``through_ops``), before it dispatches the
+    ops: how the op layer above hears of modes (``_ops/flops.py`` puts its formulas into a FlopCounterMode)
+    without this module importing it."""
+    if hook not in _dispatch_mode_hooks:
+        _dispatch_mode_hooks.append(hook)
 
 
 def through_ops() -> bool:
@@ -29,9 +39,8 @@ def through_ops() -> bool:
         return True
     if torch._C._len_torch_dispatch_stack() == 0:
         return False
-    from ._ops import flops
-
-    flops.register_if_counter_loaded()  # FlopCounterMode may be the mode
+    for hook in _dispatch_mode_hooks:
+        hook()
     return True
 
 
