@@ -83,3 +83,48 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         report.sections.append(("cakeops seed", f"torch.manual_seed({test_seed(item.nodeid)}) (crc32 of the test id; "
                                                 "tests that seed explicitly name their seed in the code)"))
+
+
+# ---- caller buffers of any layout (the FlashInfer-style functions' out=, dX= ...) ----
+
+BUFFER_LAYOUTS = ("column_offset", "row_stride", "transposed", "unaligned")
+
+
+def buffer_view(values: torch.Tensor, layout: str):
+    """(backing, view): ``view`` holds ``values`` (its shape, dtype and device) in ``layout``, inside ``backing``
+    whose other elements hold a sentinel. Layouts: ``column_offset``, the last dim a slice at an odd offset of a
+    16-wider one (non-contiguous and unaligned); ``row_stride``, the rows of a one-wider tensor (an odd row
+    stride); ``transposed``, the last two dims swapped in memory; ``unaligned``, contiguous but one element off
+    an aligned address. A 1-D buffer has no rows: ``row_stride`` and ``transposed`` take every other element."""
+    shape, last = tuple(values.shape), values.shape[-1]
+
+    def filled(*backing_shape):
+        return torch.full(backing_shape, -77.0, dtype=values.dtype, device=values.device)
+
+    if layout == "column_offset":
+        backing = filled(*shape[:-1], last + 16)
+        view = backing[..., 1:1 + last]
+    elif layout == "unaligned":
+        backing = filled(values.numel() + 1)
+        view = backing[1:].view(shape)
+    elif values.dim() == 1:
+        backing = filled(2 * last)
+        view = backing[::2]
+    elif layout == "row_stride":
+        backing = filled(*shape[:-1], last + 1)
+        view = backing[..., :last]
+    elif layout == "transposed":
+        backing = filled(*shape[:-2], last, shape[-2])
+        view = backing.transpose(-1, -2)
+    else:
+        raise ValueError(f"layout: one of {BUFFER_LAYOUTS}, got {layout!r}")
+    assert view.shape == values.shape
+    view.copy_(values)
+    return backing, view
+
+
+def assert_written_in_view(backing: torch.Tensor, before: torch.Tensor, view: torch.Tensor, want: torch.Tensor):
+    """``backing`` is ``before`` (its contents before the call) but for ``view``, which holds ``want`` bit for bit."""
+    expected = before.clone()
+    expected.as_strided(view.shape, view.stride(), view.storage_offset() - backing.storage_offset()).copy_(want)
+    assert torch.equal(backing, expected), "the call wrote outside the buffer's view, or wrote other values into it"

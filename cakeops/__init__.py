@@ -27,7 +27,10 @@ _bind_meta()
 from . import _ops  # noqa: E402,F401  (registers torch.ops.cakeops.*)
 from . import cake_mhc_train, cake_rmsnorm_train  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
-from .cake_mhc_train import cake_mhc_train_gated_head  # noqa: E402,F401
-from .cake_rmsnorm_train import cake_rmsnorm  # noqa: E402,F401
+# Every public name of the two op modules at the top as well, as FlashInfer has them
+# (``flashinfer.cake_rmsnorm_train_forward``): each module's ``__all__`` is the one list of what is public.
+from .cake_mhc_train import *  # noqa: E402,F401,F403
+from .cake_rmsnorm_train import *  # noqa: E402,F401,F403
 
+__all__ = ["cake_mhc_train", "cake_rmsnorm_train", "nn", *cake_rmsnorm_train.__all__, *cake_mhc_train.__all__]
 __version__ = "0.1.0"

@@ -46,12 +46,3 @@ def same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
     if t.device != ref.device:
         raise ValueError(f"{name}: expected a tensor on {ref.device} (the device of {ref_name}), got {t.device}")
 
-
-def out_tensor(name: str, t, *, shape, dtype, device) -> Optional[torch.Tensor]:
-    """A caller-given output buffer: exact shape, dtype and device, written in place."""
-    if t is None:
-        return None
-    tensor(name, t, dtypes=(dtype,), shape=shape, device=device)
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous output buffer")
-    return t

@@ -7,14 +7,26 @@ _ops/inductor.py -- and writes the results into the buffers the caller gave, as 
 workspace is unused there: Inductor plans the scratch. Gradients stay out of it as in eager (``no_grad``): these
 functions are the autograd-free layer.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from cakeops.meta import mhc as mhc_meta
 
+from ._buffers import into
+
 ops = torch.ops.cakeops
+
+_dispatch_mode_hooks: List[Callable[[], None]] = []
+
+
+def on_dispatch_mode(hook: Callable[[], None]) -> None:
+    """``hook()`` runs whenever a call finds a dispatch mode active (``through_ops``), before it dispatches the
+    ops: how the op layer above hears of modes (``_ops/flops.py`` puts its formulas into a FlopCounterMode)
+    without this module importing it."""
+    if hook not in _dispatch_mode_hooks:
+        _dispatch_mode_hooks.append(hook)
 
 
 def through_ops() -> bool:
@@ -27,18 +39,9 @@ def through_ops() -> bool:
         return True
     if torch._C._len_torch_dispatch_stack() == 0:
         return False
-    from ._ops import flops
-
-    flops.register_if_counter_loaded()  # FlopCounterMode may be the mode
+    for hook in _dispatch_mode_hooks:
+        hook()
     return True
-
-
-def into(values: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],
-         added: Sequence[bool] = ()) -> Tuple[Tensor, ...]:
-    """Each value written into the caller's buffer where one was given (added to it where ``added``), else
-    returned as it is."""
-    added = tuple(added) + (False,) * (len(values) - len(added))
-    return tuple(v if b is None else (b.add_(v) if add else b.copy_(v)) for v, b, add in zip(values, buffers, added))
 
 
 def mhc_prepare(X, fn, scale, base, hp, U: Optional[Tensor], stats: Optional[Tensor]) -> Tuple[Tensor, Tensor]:

@@ -13,9 +13,9 @@ under torch.compile.
 
 Decisions where FlashInfer leaves room: inputs X, B, dY, dU may be row-strided (unit last stride) and are read
 in place, other layouts are copied once (by the ``*_impl`` entry, eager and compiled alike); caller buffers
-(``out``, ``dX`` ...) must be contiguous and are overwritten, except dfn/dscale/dbase with ``accumulate=True``
-(and ``dX`` of the head backward) which are added into. Under torch.compile the stats are always kept for
-the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
+(``out``, ``dX`` ...) may have any layout (cakeops/_buffers.py) and are overwritten, except dfn/dscale/dbase
+with ``accumulate=True`` (and ``dX`` of the head backward) which are added into. Under torch.compile the stats are
+always kept for the backward (``save_stats`` applies to the eager path); the gradients are the same bits either way.
 Workspaces (``workspace=``, ``backward_workspace=``, ``cake_mhc_train_*_workspace[_bytes]``): FlashInfer's
 signatures; the layouts are cakeops' own (docs/design.md §2), sized for every token count up to T, zero-filled
 uint8 like FlashInfer's though the kernels need no zeroing; size-checked everywhere, unused by the CPU reference
@@ -33,7 +33,8 @@ from torch import Tensor
 from . import _checks, _traced
 from ._function import EagerFunction, first_order
 from . import _mhc_args as args
-from ._checks import FLOAT_DTYPES, out_tensor, tensor
+from ._buffers import out_tensor, written
+from ._checks import FLOAT_DTYPES, tensor
 from ._ops import mhc as ops
 from ._ops import mhc_gated_head as head_ops
 from ._ops.sharding import any_dtensor
@@ -116,7 +117,7 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
         rms_eps, hc_eps: finite floats > 0 (defaults 1e-5, 1e-6). sinkhorn_iters: 1..64 (default 20; more
             raises NotImplementedError).
         out: optional ``[T, C]`` buffer in X's dtype for U; stats_out: optional FP32 ``[T, S]`` for stats
-            (S = 32 / 64 / 256 for n = 2 / 4 / 8; contiguous, overwritten, returned).
+            (S = 32 / 64 / 256 for n = 2 / 4 / 8; any layout, overwritten, returned).
         workspace: optional caller-owned scratch (``cake_mhc_train_forward_workspace``): with it and the output
             buffers the call allocates nothing (CUDA-graph capture, static buffers). Unused by the CPU reference.
 
@@ -139,7 +140,8 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
     if _traced.through_ops():
         return _traced.mhc_prepare(X, fn, scale, base, hp, out, stats_out)
-    return ops.prepare_impl(X, fn, scale, base, *hp, U=out, stats=stats_out, workspace=ws)
+    return written(lambda U, stats: ops.prepare_impl(X, fn, scale, base, *hp, U=U, stats=stats, workspace=ws),
+                   out, stats_out)
 
 
 def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
@@ -149,7 +151,7 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     backward of a layer whose record was dropped).
 
     Arguments as in cake_mhc_train_forward_prepare (X, fn, scale, base; rms_eps, hc_eps > 0 with defaults 1e-5,
-    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, S]`` contiguous buffer
+    1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, S]`` buffer
     (``out`` is cakeops' older name for it, still accepted; give one of the two). ``workspace``: as in
     forward_prepare (the same layout and helper).
 
@@ -172,7 +174,8 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     ws = _workspace_for("workspace", workspace, X, _forward_need(X), _FWD_HELPER)
     if _traced.through_ops():
         return _traced.mhc_stats(X, fn, scale, base, hp, stats_out)
-    return ops.prepare_impl(X, fn, scale, base, *hp, stats=stats_out, write_U=False, workspace=ws)[1]
+    return written(lambda stats: ops.prepare_impl(X, fn, scale, base, *hp, stats=stats, write_U=False,
+                                                  workspace=ws)[1], stats_out)
 
 
 def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
@@ -181,7 +184,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     Args:
         X: ``[T, n, C]`` streams as given to forward_prepare (n in {2, 4, 8}); B: ``[T, C]`` the branch's
             output (any float dtype); stats: FP32 ``[T, S]`` from forward_prepare / forward_stats.
-        out: optional contiguous ``[T, n, C]`` buffer in X's dtype.
+        out: optional ``[T, n, C]`` buffer in X's dtype.
 
     Returns:
         ``Y [T, n, C]`` in X's dtype (FP32 inside, rounded once).
@@ -201,14 +204,14 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     out = out_tensor("out", out, shape=X.shape, dtype=X.dtype, device=X.device)
     if _traced.through_ops():
         return _traced.mhc_finish(X, B, stats, out)
-    return ops.finish_impl(X, B, stats, out)
+    return written(lambda Y: ops.finish_impl(X, B, stats, Y), out)
 
 
 def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
     """The model's final collapse ``Y[t, c] = round((sum_i X[t, i, c]) / n)``, summed in stream order from zero:
     bit for bit ``X.mean(1)`` on a GPU.
 
-    X: ``[T, n, C]`` (n in {2, 4, 8}) bf16 / fp16 / fp32; out: optional contiguous ``[T, C]`` buffer in X's dtype.
+    X: ``[T, n, C]`` (n in {2, 4, 8}) bf16 / fp16 / fp32; out: optional ``[T, C]`` buffer in X's dtype.
     Returns ``Y [T, C]`` in X's dtype.
 
     >>> X = torch.randn(5, 4, 32)
@@ -220,14 +223,14 @@ def cake_mhc_train_head_forward(X: Tensor, *, out: Optional[Tensor] = None) -> T
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     if _traced.through_ops():
         return _traced.mhc_head_forward(X, out)
-    return ops.head_forward_impl(X, out)
+    return written(lambda Y: ops.head_forward_impl(X, Y), out)
 
 
 def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, accumulate: bool = False,
                                  n_streams: Optional[int] = None) -> Tensor:
     """The head's gradient ``dX[t, i, c] = round(dY[t, c] / n)`` for each of the n streams.
 
-    dY: ``[T, C]`` bf16 / fp16 / fp32. dX: optional contiguous ``[T, n, C]`` buffer in dY's dtype, overwritten,
+    dY: ``[T, C]`` bf16 / fp16 / fp32. dX: optional ``[T, n, C]`` buffer in dY's dtype, overwritten,
     or with ``accumulate=True`` (default False) added into (then required). Returns dX. ``n_streams`` (cakeops'
     extension): n, the streams the head's forward collapsed (2, 4 or 8); dY does not tell it, so it comes from
     here, else from a given ``dX``, else it is 4.
@@ -247,7 +250,7 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
         raise ValueError("dX: accumulate=True needs the dX to add into")
     if _traced.through_ops():
         return _traced.mhc_head_backward(dY, n, dX, accumulate)
-    return ops.head_backward_impl(dY, n, dX, accumulate)
+    return written(lambda dX: ops.head_backward_impl(dY, n, dX, accumulate), dX, added=(accumulate,))
 
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
@@ -261,7 +264,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     Args:
         dY: ``[T, n, C]`` gradient of Y in X's dtype; B: ``[T, C]`` the branch output of the forward;
         X: ``[T, n, C]`` the forward's streams (n in {2, 4, 8}); stats: FP32 ``[T, S]`` of the forward.
-        dB: optional contiguous ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, G]``.
+        dB: optional ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, G]``.
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -282,7 +285,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
                                 dtype=torch.float32, device=X.device)
     if _traced.through_ops():
         return _traced.mhc_backward_prepare(dY, B, X, stats, dB, grad_stats_out)
-    return ops.backward_prepare_impl(dY, B, X, stats, dB, grad_stats_out)
+    return written(lambda dB, gs: ops.backward_prepare_impl(dY, B, X, stats, dB, gs), dB, grad_stats_out)
 
 
 def _check_branch_output(name: str, B, X: Tensor) -> None:
@@ -311,8 +314,8 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
         accumulate: add into the given dfn, dscale, dbase (all three required) instead of overwriting them.
         workspace: optional caller-owned scratch (``cake_mhc_train_backward_workspace``); with it and dX, dfn,
             dscale, dbase given, the call allocates nothing. Unused by the CPU reference.
-        dX: optional contiguous ``[T, n, C]`` in X's dtype; dfn ``[M, n*C]``, dscale ``[3]``, dbase ``[M]``:
-            optional contiguous FP32 buffers.
+        dX: optional ``[T, n, C]`` in X's dtype; dfn ``[M, n*C]``, dscale ``[3]``, dbase ``[M]``:
+            optional FP32 buffers.
         deterministic: (cakeops' extension, default True) fixed-order sums over the tokens, bitwise
             reproducible; False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
 
@@ -347,9 +350,10 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
     if _traced.through_ops():
         return _traced.mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, hp, deterministic,
                                            accumulate, (dX, dfn, dscale, dbase))
-    return ops.backward_finish_impl(X, dY, dU, fn, scale, base, stats, grad_stats, *hp,
-                                    deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
-                                    dscale=dscale, dbase=dbase, workspace=ws)
+    return written(lambda dX, dfn, dscale, dbase: ops.backward_finish_impl(
+        X, dY, dU, fn, scale, base, stats, grad_stats, *hp, deterministic=deterministic, accumulate=accumulate,
+        dX=dX, dfn=dfn, dscale=dscale, dbase=dbase, workspace=ws), dX, dfn, dscale, dbase,
+        added=(False,) + (accumulate,) * 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +740,7 @@ def cake_mhc_train_gated_head_forward(X: Tensor, fn: Tensor, scale: Tensor, base
     ``x = X[t].reshape(n*C)``, ``rstd = 1/sqrt(mean(x^2) + rms_eps)``,
     ``g_i = sigmoid(rstd * (fn_i . x) * scale + base_i) + hc_eps`` and ``Y[t] = round(sum_i g_i * X[t, i])``.
     ``stats`` is the record the backward needs (g, mix = rstd * fn @ x, rstd; layout cakeops.meta.mhc_head_layout).
-    rms_eps, hc_eps: finite floats > 0. ``out`` / ``stats_out``: contiguous buffers to write into.
+    rms_eps, hc_eps: finite floats > 0. ``out`` / ``stats_out``: buffers to write into.
 
     >>> X = torch.randn(3, 4, 8)
     >>> fn, scale, base = torch.randn(4, 32) * 0.1, torch.ones(1), torch.zeros(4)
@@ -751,7 +755,7 @@ def cake_mhc_train_gated_head_forward(X: Tensor, fn: Tensor, scale: Tensor, base
                            device=X.device)
     if _traced.through_ops():
         return _traced.gated_head_forward(X, fn, scale, base, hp, out, stats_out)
-    return head_ops.forward_impl(X, fn, scale, base, *hp, Y=out, stats=stats_out)
+    return written(lambda Y, stats: head_ops.forward_impl(X, fn, scale, base, *hp, Y=Y, stats=stats), out, stats_out)
 
 
 def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
@@ -788,12 +792,13 @@ def cake_mhc_train_gated_head_backward(dY: Tensor, X: Tensor, fn: Tensor, scale:
     dbase = out_tensor("dbase", dbase, shape=(n,), dtype=torch.float32, device=X.device)
     if accumulate and (dfn is None or dscale is None or dbase is None):
         raise ValueError("dfn: accumulate=True needs dfn, dscale and dbase to add into; pass all three "
-                         "(FP32, contiguous) or accumulate=False")
+                         "(FP32) or accumulate=False")
     if _traced.through_ops():
         return _traced.gated_head_backward(dY, X, fn, scale, base, stats, hp, deterministic, accumulate,
                                            (dX, dfn, dscale, dbase))
-    return head_ops.backward_impl(dY, X, fn, scale, base, stats, *hp, deterministic=deterministic,
-                                  accumulate=accumulate, dX=dX, dfn=dfn, dscale=dscale, dbase=dbase)
+    return written(lambda dX, dfn, dscale, dbase: head_ops.backward_impl(
+        dY, X, fn, scale, base, stats, *hp, deterministic=deterministic, accumulate=accumulate, dX=dX, dfn=dfn,
+        dscale=dscale, dbase=dbase), dX, dfn, dscale, dbase, added=(False,) + (accumulate,) * 3)
 
 
 class CakeMHCTrainGatedHeadFunction(EagerFunction):

@@ -7,7 +7,9 @@ fp32, ``[..., H]`` inputs, CPU tensors (reference math), and every entry traceab
 
 Decisions where FlashInfer leaves room: ``rstd`` has the leading shape of x (``x.shape[:-1]``; ``[T]`` for 2-D x);
 the backward accepts it in that shape or flattened. Row-strided 2-D inputs are read in place; other layouts are
-copied once. ``dw``/``out`` buffers given by the caller are overwritten, never accumulated into.
+copied once. ``dw``/``out`` buffers given by the caller are overwritten, never accumulated into; they may have
+any layout (a slice of a wider tensor, an odd row stride, a transposed view: written through scratch, as FlashInfer
+does; contiguous aligned ones in place, cakeops/_buffers.py).
 """
 import math
 import sys
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _traced
+from ._buffers import out_tensor, written
 from ._function import EagerFunction, first_order
 from ._ops import rmsnorm as ops
 from ._ops.sharding import any_dtensor
@@ -68,8 +71,8 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
         eps: a finite float > 0 (FlashInfer's is positional and has no default; 1e-6 is common).
         residual: optional update of x's shape and dtype: ``h_new = round(x + residual)`` is normalized and
             returned (fused add).
-        out, rstd, residual_out: optional contiguous buffers for y (x's shape and dtype), rstd (FP32, x's
-            leading shape ``x.shape[:-1]``) and h_new; overwritten and returned as given.
+        out, rstd, residual_out: optional buffers for y (x's shape and dtype), rstd (FP32, x's leading shape
+            ``x.shape[:-1]``) and h_new, of any layout; overwritten and returned as given.
 
     Returns:
         ``y = round((h * rstd) * w)`` in x's dtype, ``rstd = 1/sqrt(mean(h^2) + eps)`` FP32 ``x.shape[:-1]``,
@@ -89,23 +92,25 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
         _check_like("residual", residual, x)
     elif residual_out is not None:
         raise ValueError("residual_out: given without residual; h_new exists only in residual mode")
-    out = _checks.out_tensor("out", out, shape=x.shape, dtype=x.dtype, device=x.device)
-    rstd = _checks.out_tensor("rstd", rstd, shape=x.shape[:-1], dtype=torch.float32, device=x.device)
-    residual_out = _checks.out_tensor("residual_out", residual_out, shape=x.shape, dtype=x.dtype, device=x.device)
-    H = x.shape[-1]
-    buffers = (None if out is None else out.view(-1, H), None if rstd is None else rstd.view(-1),
-               None if residual_out is None else residual_out.view(-1, H))
+    out = out_tensor("out", out, shape=x.shape, dtype=x.dtype, device=x.device)
+    rstd = out_tensor("rstd", rstd, shape=x.shape[:-1], dtype=torch.float32, device=x.device)
+    residual_out = out_tensor("residual_out", residual_out, shape=x.shape, dtype=x.dtype, device=x.device)
+    buffers = (out, rstd) if residual is None else (out, rstd, residual_out)
     rows_in = (_rows(x), w, eps, None if residual is None else _rows(residual))
     if _traced.through_ops():
-        outs = _traced.rmsnorm_forward(*rows_in, buffers[:2] if residual is None else buffers)
+        outs = _traced.rmsnorm_forward(*rows_in, buffers)
     else:
-        outs = ops.forward_impl(*rows_in, *buffers)
-    # Hand back the caller's own buffers where given (not views of them).
-    y = out if out is not None else outs[0].view(x.shape)
-    r = rstd if rstd is not None else outs[1].view(x.shape[:-1])
-    if residual is None:
-        return y, r
-    return y, r, residual_out if residual_out is not None else outs[2].view(x.shape)
+        outs = written(lambda y, r, h=None: ops.forward_impl(*rows_in, _rows_of(y), _rows_of(r, 1), _rows_of(h)),
+                       *buffers)
+    # the caller's own buffers where given (not views of them), the rest in x's shape
+    return tuple(o if b is not None else o.view(shape)
+                 for o, b, shape in zip(outs, buffers, (x.shape, x.shape[:-1], x.shape)))
+
+
+def _rows_of(t: Optional[Tensor], dims: int = 2) -> Optional[Tensor]:
+    """A contiguous buffer in the caller's shape (``[..., H]``; rstd's ``[...]`` with dims=1) as the op's rows
+    (``[T, H]``, ``[T]``); None stays None."""
+    return None if t is None else t.view(-1, *t.shape[t.dim() + 1 - dims:])
 
 
 def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *, deterministic: bool = True,
@@ -127,7 +132,7 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
             ``cake_rmsnorm_train_backward_workspace`` (uint8; an FP32 buffer of
             ``cake_rmsnorm_train_workspace_numel`` elements serves too). With it and dx, dw given, the call
             allocates nothing. Unused by the CPU reference.
-        dx: optional contiguous buffer (x's shape and dtype); dw: optional contiguous FP32 ``[H]``; overwritten.
+        dx: optional buffer (x's shape and dtype); dw: optional FP32 ``[H]``; any layout, overwritten.
 
     >>> x, w = torch.randn(4, 64), torch.ones(64)
     >>> y, rstd = cake_rmsnorm_train_forward(x, w, 1e-6)
@@ -148,17 +153,15 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     _check_flags(deterministic)
     if workspace is not None:
         workspace = _workspace_for_backward(workspace, x)
-    dx = _checks.out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
-    dw = _checks.out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
-    H = x.shape[-1]
+    dx = out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
+    dw = out_tensor("dw", dw, shape=(x.shape[-1],), dtype=torch.float32, device=x.device)
     rows_in = (_rows(g), _rows(x), w, rstd.reshape(-1).contiguous(), None if g_residual is None else _rows(g_residual),
                deterministic)
-    buffers = (None if dx is None else dx.view(-1, H), dw)
     if _traced.through_ops():
-        ddx, ddw = _traced.rmsnorm_backward(*rows_in, buffers)
+        ddx, ddw = _traced.rmsnorm_backward(*rows_in, (dx, dw))
     else:
-        ddx, ddw = ops.backward_impl(*rows_in, workspace, *buffers)
-    return (dx if dx is not None else ddx.view(x.shape)), ddw
+        ddx, ddw = written(lambda dx, dw: ops.backward_impl(*rows_in, workspace, _rows_of(dx), dw), dx, dw)
+    return (ddx if dx is not None else ddx.view(x.shape)), ddw
 
 
 def _eager_args_ok(x, w, eps, residual) -> bool:

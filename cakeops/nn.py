@@ -296,6 +296,10 @@ class StreamExpand(nn.Module):
         return f"n_streams={self.n_streams}"
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not isinstance(h, torch.Tensor) or h.dim() < 1:
+            got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
+            raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
+                             f"{self.n_streams} residual streams, got {got}")
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
 
 

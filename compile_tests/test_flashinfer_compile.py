@@ -11,7 +11,7 @@ from cakeops import _backend
 
 from cakeops import cake_mhc_train as mhc
 from cakeops import cake_rmsnorm_train as rms
-from conftest import DEVICE, test_seed as seed_of
+from conftest import BUFFER_LAYOUTS, DEVICE, assert_written_in_view, buffer_view, test_seed as seed_of
 
 HP = dict(rms_eps=0.5, hc_eps=0.05, sinkhorn_iters=3)
 T, C = 7, 16
@@ -51,12 +51,31 @@ def _assert_same(got, want, rounded_by_torch=()):
             torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m: f"output {k}: {m}")
 
 
-@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+# Caller buffers of every layout under aot_eager; Inductor (slower to compile) with contiguous and one other
+_LAYOUT_RUNS = ([("aot_eager", layout) for layout in ("contiguous",) + BUFFER_LAYOUTS]
+                + [("inductor", "contiguous"), ("inductor", BUFFER_LAYOUTS[0])])
+
+
+def _placed(buffers, layout):
+    """The buffers (name -> tensor) as views in ``layout`` (conftest.buffer_view), and (backing, its contents,
+    view) of each to check afterwards (``_untouched_outside``)."""
+    if layout == "contiguous":
+        return buffers, []
+    placed = {k: buffer_view(v, layout) for k, v in buffers.items()}
+    return {k: view for k, (_, view) in placed.items()}, [(b, b.clone(), v) for b, v in placed.values()]
+
+
+def _untouched_outside(records):
+    for backing, before, view in records:  # the view's values are compared by the test
+        assert_written_in_view(backing, before, view, view)
+
+
+@pytest.mark.parametrize("compile_backend,layout", _LAYOUT_RUNS)
 @pytest.mark.parametrize("n", [4, 8])
-def test_mhc_functions_compile_with_buffers_and_workspaces(backend, compile_backend, n, request):
+def test_mhc_functions_compile_with_buffers_and_workspaces(backend, compile_backend, layout, n, request):
     """forward_prepare -> forward_finish -> head, then head_backward -> backward_prepare -> backward_finish, every
-    call with its caller buffers (random contents, overwritten or added into) and workspaces, compiled in one
-    fullgraph function against the same calls eager."""
+    call with its caller buffers (random contents, overwritten or added into; contiguous, or all of them views in
+    another ``layout``) and workspaces, compiled in one fullgraph function against the same calls eager."""
     seed = seed_of(request.node.nodeid)
     dtype = torch.bfloat16
     X, fn, scale, base = _mhc_inputs(n, dtype, seed)
@@ -91,18 +110,19 @@ def test_mhc_functions_compile_with_buffers_and_workspaces(backend, compile_back
                                                    dscale=b["dscale"], dbase=b["dbase"])
         return (U, stats, stats2, Y, head, dY, dB, grad_stats) + tuple(grads)
 
-    want_b, got_b = buffers(), buffers()
+    want_b, (got_b, placed) = buffers(), _placed(buffers(), layout)
     want = layer(X, fn, scale, base, B, dHead, dU, want_b)
     got = _compiled(layer, compile_backend)(X, fn, scale, base, B, dHead, dU, got_b)
     _assert_same(got, want, rounded_by_torch=(5,))
     for name in want_b:  # the caller's buffers hold what eager left in them
         _assert_same(got_b[name], want_b[name], rounded_by_torch=(0,) if name == "dY" else ())
+    _untouched_outside(placed)
     # the returned tensors are the caller's buffers themselves, as in eager
     assert got[0] is got_b["U"] and got[1] is got_b["stats"] and got[-4] is got_b["dX"]
 
 
-@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-def test_gated_head_and_rmsnorm_functions_compile(backend, compile_backend, request):
+@pytest.mark.parametrize("compile_backend,layout", _LAYOUT_RUNS)
+def test_gated_head_and_rmsnorm_functions_compile(backend, compile_backend, layout, request):
     seed = seed_of(request.node.nodeid)
     n, dtype = 4, torch.bfloat16
     g = torch.Generator().manual_seed(seed)
@@ -114,6 +134,7 @@ def test_gated_head_and_rmsnorm_functions_compile(backend, compile_backend, requ
     res = torch.randn(T, C, generator=g).to(DEVICE, dtype)
     w = torch.randn(C, generator=g).to(DEVICE, torch.bfloat16)
     gy = torch.randn(T, C, generator=g).to(DEVICE, dtype)
+    x3 = torch.randn(2, 3, C, generator=g).to(DEVICE, dtype)  # [..., H]: rstd [2, 3]
     rws = rms.cake_rmsnorm_train_backward_workspace(T, C, DEVICE)
 
     def buffers():
@@ -121,9 +142,13 @@ def test_gated_head_and_rmsnorm_functions_compile(backend, compile_backend, requ
         return dict(Y=torch.randn(T, C, generator=r).to(DEVICE, dtype),
                     dfn=torch.randn(n, n * C, generator=r).to(DEVICE), dscale=torch.randn(1, generator=r).to(DEVICE),
                     dbase=torch.randn(n, generator=r).to(DEVICE), y=torch.randn(T, C, generator=r).to(DEVICE, dtype),
-                    rstd=torch.randn(T, generator=r).to(DEVICE), dw=torch.randn(C, generator=r).to(DEVICE))
+                    rstd=torch.randn(T, generator=r).to(DEVICE), dw=torch.randn(C, generator=r).to(DEVICE),
+                    y3=torch.randn(2, 3, C, generator=r).to(DEVICE, dtype),
+                    rstd3=torch.randn(2, 3, generator=r).to(DEVICE),
+                    h3=torch.randn(2, 3, C, generator=r).to(DEVICE, dtype),
+                    dx3=torch.randn(2, 3, C, generator=r).to(DEVICE, dtype))
 
-    def step(X, fn, scale, base, dY, x, res, w, gy, b):
+    def step(X, fn, scale, base, dY, x, res, w, gy, x3, b):
         Y, stats = mhc.cake_mhc_train_gated_head_forward(X, fn, scale, base, rms_eps=0.5, hc_eps=0.05, out=b["Y"])
         grads = mhc.cake_mhc_train_gated_head_backward(dY, X, fn, scale, base, stats, rms_eps=0.5, hc_eps=0.05,
                                                        accumulate=True, dfn=b["dfn"], dscale=b["dscale"],
@@ -131,14 +156,18 @@ def test_gated_head_and_rmsnorm_functions_compile(backend, compile_backend, requ
         y, rstd = rms.cake_rmsnorm_train_forward(x, w, 1e-5, out=b["y"], rstd=b["rstd"])
         y2, rstd2, h = rms.cake_rmsnorm_train_forward(x, w, 1e-5, residual=res)
         dx, dw = rms.cake_rmsnorm_train_backward(gy, h, w, rstd2, g_residual=gy, workspace=rws, dw=b["dw"])
-        return (Y, stats) + tuple(grads) + (y, rstd, y2, rstd2, h, dx, dw)
+        y3, rstd3, h3 = rms.cake_rmsnorm_train_forward(x3, w, 1e-5, residual=x3, out=b["y3"], rstd=b["rstd3"],
+                                                       residual_out=b["h3"])
+        dx3, _ = rms.cake_rmsnorm_train_backward(y3, h3, w, rstd3, dx=b["dx3"])
+        return (Y, stats) + tuple(grads) + (y3, rstd3, h3, dx3) + (y, rstd, y2, rstd2, h, dx, dw)
 
-    want_b, got_b = buffers(), buffers()
-    want = step(X, fn, scale, base, dY, x, res, w, gy, want_b)
-    got = _compiled(step, compile_backend)(X, fn, scale, base, dY, x, res, w, gy, got_b)
+    want_b, (got_b, placed) = buffers(), _placed(buffers(), layout)
+    want = step(X, fn, scale, base, dY, x, res, w, gy, x3, want_b)
+    got = _compiled(step, compile_backend)(X, fn, scale, base, dY, x, res, w, gy, x3, got_b)
     _assert_same(got, want)
     for name in want_b:
         _assert_same(got_b[name], want_b[name])
+    _untouched_outside(placed)
     assert got[-1].dtype == torch.float32  # dw FP32 as eager returns it, for a bf16 w
 
 

@@ -239,7 +239,7 @@ def test_host_tool_measures_both_paths_without_kernels(capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel times come from the GPU profiler")
 def test_kernel_times_are_per_call_and_named_by_kernel():
-    from cakeops.bench.profile import kernel_times_us
+    from cakeops.bench.core import kernel_times_us
 
     x = torch.randn(1 << 24, device="cuda")
     once = kernel_times_us(lambda: x.mul_(1.0), reps=4)

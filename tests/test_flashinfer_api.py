@@ -1,6 +1,7 @@
 """FlashInfer drop-in: every public function called with FlashInfer's documented keywords (docs.flashinfer.ai,
 ``flashinfer.cake_mhc_train`` / ``flashinfer.cake_rmsnorm_train``), caller-owned workspaces (a call given its
 outputs and a workspace allocates nothing), their size errors, and a CUDA graph of forward + backward."""
+import contextlib
 import traceback
 from unittest import mock
 
@@ -11,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cakeops import _traced
 from cakeops import cake_mhc_train as mhc
 from cakeops import cake_rmsnorm_train as rms
-from conftest import DEVICE, ON_GPU
+from conftest import BUFFER_LAYOUTS, DEVICE, ON_GPU, assert_written_in_view, buffer_view
 
 T, N, C, M = 5, 4, 32, 24
 
@@ -92,6 +93,130 @@ def test_rmsnorm_functions_take_flashinfers_keywords(backend):
     y2 = rms.cake_rmsnorm(x, w, eps=1e-6, residual=None, deterministic=True)
     assert torch.equal(y2, rms.cake_rmsnorm_train_forward(x, w, 1e-6)[0])
     assert rms.is_cake_rmsnorm_train_supported(x.device, 64)
+
+
+# ---- caller buffers of any layout ----
+
+def _buffer_cases():
+    """name -> (call taking the buffers as keywords, {keyword: a tensor of the buffer's shape and dtype}), the
+    keywords in the order of the call's results."""
+    X, fn, scale, base = _inputs()
+    U, stats = mhc.cake_mhc_train_forward_prepare(X, fn, scale, base)
+    B, dY = torch.tanh(U), torch.randn_like(X)
+    dB, gs = mhc.cake_mhc_train_backward_prepare(dY, B, X, stats)
+    gfn, gscale, gbase = fn[:N] * 4, scale[:1], base[:N]
+    Yg, gstats = mhc.cake_mhc_train_gated_head_forward(X, gfn, gscale, gbase)
+    x = torch.randn(2, 3, 64, device=DEVICE, dtype=torch.bfloat16)  # [..., H]: rstd [2, 3]
+    w, res = torch.randn(64, device=DEVICE), torch.randn_like(x)
+    y, rstd, h = rms.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res)
+    finish = (X, dY, dB, B, fn, scale, base, stats, gs)
+    gated_bwd = (U, X, gfn, gscale, gbase, gstats)
+    grads, gated_grads = dict(dX=X, dfn=fn, dscale=scale, dbase=base), dict(dX=X, dfn=gfn, dscale=gscale, dbase=gbase)
+    return {
+        "forward_prepare": (lambda **b: mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, **b),
+                            dict(out=U, stats_out=stats)),
+        "forward_stats": (lambda **b: mhc.cake_mhc_train_forward_stats(X, fn, scale, base, **b),
+                          dict(stats_out=stats)),
+        "forward_finish": (lambda **b: mhc.cake_mhc_train_forward_finish(X, B, stats, **b), dict(out=X)),
+        "head_forward": (lambda **b: mhc.cake_mhc_train_head_forward(X, **b), dict(out=U)),
+        "head_backward": (lambda **b: mhc.cake_mhc_train_head_backward(U, **b), dict(dX=X)),
+        "head_backward_accumulate": (lambda **b: mhc.cake_mhc_train_head_backward(U, accumulate=True, **b),
+                                     dict(dX=X)),
+        "backward_prepare": (lambda **b: mhc.cake_mhc_train_backward_prepare(dY, B, X, stats, **b),
+                             dict(dB=B, grad_stats_out=gs)),
+        "backward_finish": (lambda **b: mhc.cake_mhc_train_backward_finish(*finish, **b), grads),
+        "backward_finish_accumulate": (
+            lambda **b: mhc.cake_mhc_train_backward_finish(*finish, accumulate=True, **b), grads),
+        "gated_head_forward": (lambda **b: mhc.cake_mhc_train_gated_head_forward(X, gfn, gscale, gbase, **b),
+                               dict(out=U, stats_out=gstats)),
+        "gated_head_backward": (lambda **b: mhc.cake_mhc_train_gated_head_backward(*gated_bwd, **b), gated_grads),
+        "gated_head_backward_accumulate": (
+            lambda **b: mhc.cake_mhc_train_gated_head_backward(*gated_bwd, accumulate=True, **b), gated_grads),
+        "rmsnorm_forward": (lambda **b: rms.cake_rmsnorm_train_forward(x, w, 1e-6, **b), dict(out=y, rstd=rstd)),
+        "add_rmsnorm_forward": (lambda **b: rms.cake_rmsnorm_train_forward(x, w, 1e-6, residual=res, **b),
+                                dict(out=y, rstd=rstd, residual_out=h)),
+        "rmsnorm_backward": (lambda **b: rms.cake_rmsnorm_train_backward(y, h, w, rstd, g_residual=res, **b),
+                             dict(dx=x, dw=w)),
+    }
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the functions take the ops' path (cakeops/_traced.py)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", BUFFER_LAYOUTS + ("mixed",))
+@pytest.mark.parametrize("case", list(_buffer_cases()))
+def test_caller_buffers_of_any_layout(backend, case, layout):
+    """Every caller buffer, non-contiguous or unaligned (``mixed``: the first one column-offset, the others
+    contiguous): the call writes (or adds into) its view exactly what it writes into a contiguous buffer of the
+    same contents, touches nothing else of its storage, and returns the view itself. Eager, and under a dispatch
+    mode (the ops' path) for the first layout."""
+    call, likes = _buffer_cases()[case]
+    g = torch.Generator().manual_seed(len(case))
+    initial = {k: torch.randn(v.shape, generator=g).to(v.device, v.dtype) for k, v in likes.items()}
+    for mode in (contextlib.nullcontext, _PassThrough) if layout == BUFFER_LAYOUTS[0] else (contextlib.nullcontext,):
+        want = {k: v.clone() for k, v in initial.items()}
+        with mode():
+            call(**want)
+        backings, views = {}, {}
+        for k, (name, v) in enumerate(initial.items()):
+            if layout == "mixed" and k > 0:
+                backings[name] = views[name] = v.clone()
+            else:
+                backings[name], views[name] = buffer_view(v, "column_offset" if layout == "mixed" else layout)
+        before = {k: b.clone() for k, b in backings.items()}
+        with mode():
+            got = call(**views)
+        got = (got,) if isinstance(got, torch.Tensor) else got
+        assert len(got) >= len(views) and all(r is views[k] for r, k in zip(got, views)), "not the caller's buffers"
+        for k in views:
+            assert_written_in_view(backings[k], before[k], views[k], want[k])
+
+
+@pytest.mark.parametrize("layout", BUFFER_LAYOUTS)
+def test_outputs_in_caller_views_serve_as_the_next_calls_inputs(backend, layout):
+    """A layer's forward and backward with every output in a view of ``layout``, each fed to the calls after it
+    (the record rows at a row stride, say): the values of the same chain with contiguous buffers."""
+    X, fn, scale, base = _inputs()
+    g = torch.Generator().manual_seed(1)
+    dY = torch.randn(X.shape, generator=g).to(DEVICE, X.dtype)
+
+    def chain(make):
+        U, stats = mhc.cake_mhc_train_forward_prepare(X, fn, scale, base, out=make(T, C, dtype=X.dtype),
+                                                      stats_out=make(T, 64))
+        Y = mhc.cake_mhc_train_forward_finish(X, U, stats, out=make(T, N, C, dtype=X.dtype))
+        dB, gs = mhc.cake_mhc_train_backward_prepare(dY, U, X, stats, dB=make(T, C, dtype=X.dtype),
+                                                     grad_stats_out=make(T, 32))
+        grads = mhc.cake_mhc_train_backward_finish(X, dY, dB, U, fn, scale, base, stats, gs,
+                                                   dX=make(T, N, C, dtype=X.dtype), dfn=make(M, N * C),
+                                                   dscale=make(3), dbase=make(M))
+        return (U, stats, Y, dB, gs) + grads
+
+    def view(*shape, dtype=torch.float32):
+        return buffer_view(torch.zeros(shape, dtype=dtype, device=DEVICE), layout)[1]
+
+    def contiguous(*shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+    for got, want in zip(chain(view), chain(contiguous)):
+        assert torch.equal(got, want)
+
+
+def test_caller_buffer_errors_name_the_buffer(backend):
+    """Layout is free; shape, dtype and device are not, and a view whose elements share memory is refused."""
+    x, w = torch.randn(T, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^out: expected shape \(5, 64\), got \(5, 63\)"):
+        rms.cake_rmsnorm_train_forward(x, w, 1e-6, out=torch.empty(T, 80, device=DEVICE)[:, 1:64])
+    with pytest.raises(ValueError, match=r"^rstd: expected dtype in \(float32\), got bfloat16"):
+        rms.cake_rmsnorm_train_forward(x, w, 1e-6, rstd=torch.empty(2 * T, device=DEVICE, dtype=torch.bfloat16)[::2])
+    with pytest.raises(ValueError, match=r"^dw: expected a tensor on .*, got one on meta"):
+        rms.cake_rmsnorm_train_backward(x, x, w, torch.ones(T, device=DEVICE), dw=torch.empty(64, device="meta"))
+    X = _inputs()[0]
+    with pytest.raises(ValueError, match=r"^out: expected a buffer whose elements do not share memory"):
+        mhc.cake_mhc_train_head_forward(X, out=torch.empty(C, device=DEVICE, dtype=X.dtype).expand(T, C))
 
 
 # ---- a call with its outputs and a workspace allocates nothing ----

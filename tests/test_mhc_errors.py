@@ -184,6 +184,19 @@ def test_mhc_module_errors_name_the_streams_and_the_branch_dtype(backend):
         to_double(torch.randn(T, N, C, device=DEVICE))
 
 
+def test_stream_expand_needs_a_hidden_dim():
+    """A 0-dim tensor (or no tensor) has no hidden size to widen: said in the module's terms, not an IndexError."""
+    import cakeops
+
+    expand = cakeops.nn.StreamExpand()
+    with pytest.raises(ValueError, match=r"^StreamExpand: expected a hidden state \[\.\.\., C\] \(at least 1 dim\) "
+                                         r"to copy into the 4 residual streams, got shape \(\)$"):
+        expand(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"^StreamExpand: expected a hidden state .*, got list$"):
+        expand([1.0, 2.0])
+    assert expand(torch.ones(C)).shape == (4, C)
+
+
 def test_gated_head_shape_error_says_which_argument_differs():
     import cakeops
 

@@ -6,12 +6,15 @@ and each weighted sum over streams or outer product with a gate (``2 T n C``). E
 sigmoids, Sinkhorn, RMSNorm itself) counts nothing, as torch's own norms count nothing.
 
 Registered the first time a cakeops op is dispatched under a mode while ``torch.utils.flop_counter`` is loaded
-(importing it loads Triton, 0.2 s, which ``import cakeops`` does not), and put into the counters then active.
+(importing it loads Triton, 0.2 s, which ``import cakeops`` does not), and put into the counters then active:
+``_traced.through_ops`` runs ``register_if_counter_loaded`` whenever it finds a mode (the hook set at import).
 """
 import math
 import sys
 
 import torch
+
+from .. import _traced
 
 
 def _tokens(shape, dims: int) -> int:
@@ -95,3 +98,6 @@ def register_if_counter_loaded() -> None:
         if isinstance(registry, dict):
             for packet, formula in _REGISTERED.items():
                 registry.setdefault(packet, formula)
+
+
+_traced.on_dispatch_mode(register_if_counter_loaded)  # FlopCounterMode may be the mode a call finds

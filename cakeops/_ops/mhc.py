@@ -107,7 +107,8 @@ def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None)
     """Y in X's shape: X [..., n, C] and B [..., C] with any leading dims (a module's output is then Y itself,
     not a view of it)."""
     Y3 = empty_tokens(X.shape, 3, X) if Y is None else flat(Y, 3)
-    X3, B2, stats = unit_last(flat(X, 3)), unit_last(flat(B, 2)), unit_last(stats)
+    # the kernel reads the record's rows at its width (no row stride): a row-strided record is copied once
+    X3, B2, stats = unit_last(flat(X, 3)), unit_last(flat(B, 2)), stats.contiguous()
     if _backend.use_triton(X3):
         from .._triton import mhc_forward as kernels
         with _backend.kernel_device(X3):

@@ -13,12 +13,13 @@ import argparse
 import datetime
 import platform
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from .. import _backend
 from . import core, plot, report
+from .console import progress, say
 
 
 def _parser(known: Sequence[str]) -> argparse.ArgumentParser:
@@ -30,30 +31,6 @@ def _parser(known: Sequence[str]) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for the reports (default bench_out)")
     p.add_argument("--no-peers", action="store_true", help="time cakeops only (no torch eager/compile/Liger)")
     return p
-
-
-def _progress(items: List[core.Case], label: Callable[[core.Case], str]) -> Iterable[core.Case]:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        for i, case in enumerate(items, 1):
-            print(f"[{i}/{len(items)}] {label(case)}", flush=True)
-            yield case
-        return
-    bar = tqdm(items, unit="case")
-    for case in bar:
-        bar.set_description(label(case))
-        yield case
-
-
-def _say(msg: str) -> None:
-    # Through tqdm when it is drawing a bar, so messages do not tear it.
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        print(msg, flush=True)
-    else:
-        tqdm.write(msg)
 
 
 def _environment() -> Dict[str, Any]:
@@ -69,8 +46,8 @@ def _bench(selected: List[core.Case], out: Path, with_peers: bool, device=torch.
     print(f"{env['device']}: measuring the copy ceiling (2 GiB bf16 device-to-device copy)...", flush=True)
     ceiling = core.copy_gbps(device)
     print(f"copy ceiling: {ceiling:.0f} GB/s", flush=True)
-    rows = [core.measure(case, device, ceiling, with_peers, warn=_say)
-            for case in _progress(selected, lambda c: f"{c.name} [{c.shape_label}]")]
+    rows = [core.measure(case, device, ceiling, with_peers, warn=say)
+            for case in progress(selected, lambda c: f"{c.name} [{c.shape_label}]")]
     table = report.bench_table(rows)
     header = [f"# cakeops bench -- {env['device']}", "",
               f"{env['date']}, torch {env['torch']}, triton {env['triton']}; copy ceiling {ceiling:.0f} GB/s. "
@@ -104,7 +81,7 @@ def _check(selected: List[core.Case], out: Path) -> bool:
     kernels = "triton" if interpreting else "reference"
     with _backend.cpu_kernels(kernels):
         rows = [core.cpu_check(case, path, tol_scale=2.0 if interpreting else 1.0)
-                for case in _progress(list(unique.values()), lambda c: c.name)]
+                for case in progress(list(unique.values()), lambda c: c.name)]
     table = report.check_table(rows)
     print(report.text(table))
     env = dict(_environment(), device="cpu")

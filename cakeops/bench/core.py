@@ -169,3 +169,27 @@ def host_time_per_call(runs: Mapping[str, Callable[[], Any]], calls: int, reps: 
             if on_gpu:
                 torch.cuda.synchronize()
     return times
+
+
+def self_time_us(event, on_gpu: bool) -> float:
+    """A torch.profiler event's own time in us: on the device (``on_gpu``), else on the CPU. (The attribute names
+    moved between torch releases: cuda_* -> device_*.)"""
+    if on_gpu:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(event, name):
+                return float(getattr(event, name))
+        return 0.0
+    return float(event.self_cpu_time_total)
+
+
+def kernel_times_us(call, reps: int = 5) -> Dict[str, float]:
+    """GPU time per call of each kernel ``call`` launches (torch.profiler, device activity only), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    times = {e.key: self_time_us(e, True) / reps for e in prof.key_averages()}
+    return {name: us for name, us in sorted(times.items(), key=lambda kv: -kv[1]) if us > 0}

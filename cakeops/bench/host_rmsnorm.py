@@ -146,7 +146,7 @@ def gpu_us_per_call(run: Callable[[], object], calls: int = 10) -> Tuple[float, 
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
-    from .profile import _self_time_us
+    from .core import self_time_us
 
     step = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
     torch.cuda.synchronize()
@@ -154,7 +154,7 @@ def gpu_us_per_call(run: Callable[[], object], calls: int = 10) -> Tuple[float, 
         for _ in range(calls):
             run()
         torch.cuda.synchronize()
-    kernels = sum(_self_time_us(e, True) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = sum(self_time_us(e, True) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
     return step, kernels / calls
 
 

@@ -62,7 +62,7 @@ def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[st
 
     from torch.profiler import ProfilerActivity, profile
 
-    from .profile import _self_time_us
+    from .core import self_time_us
 
     ours = cakeops_kernels()
     totals: Dict[str, float] = dict.fromkeys(KINDS, 0.0)
@@ -75,7 +75,7 @@ def breakdown(step: Callable[[], object], device: torch.device) -> Tuple[Dict[st
         wall = 1e3 * (time.perf_counter() - t)
     for event in prof.key_averages():  # one entry per kernel name, its calls' device time summed
         if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
-            ms = _self_time_us(event, True) / 1e3
+            ms = self_time_us(event, True) / 1e3
             totals[kind_of(event.key, ours)] += ms
             if event.key in ours:
                 per_kernel[event.key] = ms

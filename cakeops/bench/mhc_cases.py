@@ -16,8 +16,7 @@ from ..meta import mhc_layout as layout
 from ..reference import mhc as ref
 from ..reference import mhc_gated_head as gh_ref
 from ..testing import rel_err
-from .core import Case, generator, register
-from .profile import kernel_times_us
+from .core import Case, generator, kernel_times_us, register
 
 HP = dict(rms_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
 SHAPES = ({"T": 16384, "C": 4096}, {"T": 16384, "C": 7168}, {"T": 8192, "C": 4096},

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_breakdown, plot, report
-from .cli import _say
+from .console import say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
 
 VARIANT_TITLES = {"plain": "plain residual", "cakeops": "cakeops mHC", "cakeops-recompute": "cakeops mHC + recompute",
@@ -128,7 +128,7 @@ def _heartbeat(label: str, every: float = 10.0):
 
     def beat():
         while not stop.wait(every):
-            _say(f"  {label}: compiling, {time.perf_counter() - t0:.0f} s")
+            say(f"  {label}: compiling, {time.perf_counter() - t0:.0f} s")
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
@@ -143,7 +143,7 @@ def _steps_progress(n: int, label: str):
     try:
         from tqdm import tqdm
     except ImportError:
-        _say(f"  {label}: {n} steps...")
+        say(f"  {label}: {n} steps...")
         return range(n)
     return tqdm(range(n), desc=f"  {label}", unit="step", leave=False)
 
@@ -165,7 +165,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
             return row
     model = opt = fn = None
     try:
-        _say(f"  {variant}: building the model")
+        say(f"  {variant}: building the model")
         model = build(cfg, variant, device, dtype, opts.norm, opts.seed, recompute_group=opts.recompute_group)
         row["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
@@ -188,7 +188,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
 
         fn = compiled(fullgraph)
         what = f"compiling with {opts.backend} (first forward + backward)" if opts.compile else "first step (eager)"
-        _say(f"  {variant}: {what}")
+        say(f"  {variant}: {what}")
         t0 = time.perf_counter()
         loss = None
         try:
@@ -200,7 +200,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
                 raise
             row["graph_break"] = _first_line(exc)
         if loss is None:  # retried outside the except block: its traceback no longer holds the first try's tensors
-            _say(f"  {variant}: fullgraph=True failed ({row['graph_break']}); compiling again with graph breaks")
+            say(f"  {variant}: fullgraph=True failed ({row['graph_break']}); compiling again with graph breaks")
             fullgraph = False
             fn = compiled(False)
             t0 = time.perf_counter()
@@ -239,7 +239,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         if row["peak_gib"] is not None:  # activations, gradients and the step's transients
             row["peak_above_weights_gib"] = row["peak_gib"] - row["weights_gib"]
         if opts.profile and device.type == "cuda":
-            _say(f"  {variant}: one step under the profiler")
+            say(f"  {variant}: one step under the profiler")
             row["gpu_ms_by_kind"], row["cakeops_kernel_ms"] = kernel_breakdown.breakdown(step, device)
     except torch.cuda.OutOfMemoryError as exc:
         row["status"] = f"out of memory ({_first_line(exc)[:120]})"
@@ -485,7 +485,7 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
             title += "\n(CPU: checks that the variants run; not performance numbers)"
         written.append(step_time_plot(out / "model.png", results, variants, title))
     else:
-        _say("matplotlib is not installed: no plot (pip install matplotlib)")
+        say("matplotlib is not installed: no plot (pip install matplotlib)")
     return written
 
 
@@ -503,7 +503,7 @@ def _configs(opts, parser, cuda: bool, explicit_cpu: bool) -> List[tuple]:
         parser.error(f"--preset: unknown {', '.join(unknown) or '(none given)'}; known: "
                      f"{', '.join(list(PRESETS) + list(PRESET_GROUPS))}")
     if not cuda and not explicit_cpu and any(n != "tiny" for n in names):
-        _say(f"No CUDA device: running the tiny config instead of {','.join(names)}.")
+        say(f"No CUDA device: running the tiny config instead of {','.join(names)}.")
         names = ["tiny"]
     names = list(dict.fromkeys(names))
     overrides = {k: getattr(opts, k) for k in SIZE_FLAGS if getattr(opts, k) is not None}
@@ -568,14 +568,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"== {name}: {cfg.label}, {cfg.heads} heads, vocab {cfg.vocab}, {cfg.streams} streams ==", flush=True)
         rows = []
         for i, v in enumerate(variants, 1):
-            _say(f"[{i}/{len(variants)}] {VARIANT_TITLES[v]}")
+            say(f"[{i}/{len(variants)}] {VARIANT_TITLES[v]}")
             row = run_variant(cfg, v, opts, device, dtype)
             rows.append(row)
             if row["status"] == "ok":
-                _say(f"  {v}: {row['step_ms']:.2f} ms/step, compile {row['compile_s']:.1f} s, first loss "
+                say(f"  {v}: {row['step_ms']:.2f} ms/step, compile {row['compile_s']:.1f} s, first loss "
                      f"{row['loss']:.4f}" + (f", peak {row['peak_gib']:.2f} GiB" if row["peak_gib"] else ""))
             else:
-                _say(f"  {v}: {row['status']}")
+                say(f"  {v}: {row['status']}")
         _overheads(rows)
         results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows})
         ok = ok and all(r["status"] == "ok" or r.get("skipped") for r in rows)  # TE absent is no failure

@@ -22,6 +22,7 @@ from typing import Dict, List
 import torch
 
 from . import plot
+from .core import self_time_us
 
 
 def _layer_step(X, fn, scale, base, dY):
@@ -39,16 +40,6 @@ def _inputs(T: int, C: int, device: torch.device, n: int = 4):
     base = torch.randn(M, device=device, generator=g).requires_grad_()
     dY = torch.randn(T, n, C, device=device, generator=g).bfloat16()
     return X, fn, scale, base, dY
-
-
-def _self_time_us(event, on_gpu: bool) -> float:
-    # The attribute names moved between torch releases (cuda_* -> device_*).
-    if on_gpu:
-        for name in ("self_device_time_total", "self_cuda_time_total"):
-            if hasattr(event, name):
-                return float(getattr(event, name))
-        return 0.0
-    return float(event.self_cpu_time_total)
 
 
 def profile_layer(T: int, C: int, steps: int, device: torch.device, n: int = 4) -> Dict:
@@ -72,7 +63,7 @@ def profile_layer(T: int, C: int, steps: int, device: torch.device, n: int = 4) 
         sync()
     rows: List[Dict] = []
     for e in prof.key_averages():
-        us = _self_time_us(e, on_gpu)
+        us = self_time_us(e, on_gpu)
         if us <= 0:
             continue
         if on_gpu and getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
@@ -82,19 +73,6 @@ def profile_layer(T: int, C: int, steps: int, device: torch.device, n: int = 4) 
     listed = sum(r["us_per_step"] for r in rows)
     return {"T": T, "C": C, "n": n, "device": str(device), "steps": steps, "wall_us_per_step": wall_us,
             "listed_us_per_step": listed, "rows": rows, "trace": prof}
-
-
-def kernel_times_us(call, reps: int = 5) -> Dict[str, float]:
-    """GPU time per call of each kernel ``call`` launches (torch.profiler, device activity only), by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-    times = {e.key: _self_time_us(e, True) / reps for e in prof.key_averages()}
-    return {name: us for name, us in sorted(times.items(), key=lambda kv: -kv[1]) if us > 0}
 
 
 def ncu_step(T: int, C: int, device: torch.device, n: int = 4) -> None:

@@ -89,7 +89,7 @@ def kernel_regs(call) -> str:
 
 def kernel_us(call, reps: int = 5) -> str:
     """GPU time per call of each kernel `call` launches (torch.profiler), e.g. "_dpre_kernel 171 | ..."."""
-    from .profile import kernel_times_us
+    from .core import kernel_times_us
 
     return " | ".join(f"{name[:28]} {us:.0f}" for name, us in kernel_times_us(call, reps).items() if us > 0.5)
 
