@@ -23,7 +23,7 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
     assert {"date", "torch", "triton", "device", "transformer_engine"} <= set(record)
     rows = {r["variant"]: r for r in record["rows"]}
     assert list(rows) == list(model_zoo.VARIANTS)
-    for v in ("plain", "cakeops", "math"):
+    for v in ("plain", "cakeops", "cakeops-recompute", "math"):
         r = rows[v]
         assert r["status"] == "ok", r
         assert r["fullgraph"] is True and len(r["step_ms_all"]) == 2 and r["step_ms"] > 0
@@ -32,6 +32,7 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
         assert rows["te"]["status"] == "not installed" and rows["te"]["skipped"]
     # the same weights, the same model: the first step's losses of the compiled cakeops and math models agree
     assert rows["cakeops"]["loss"] == pytest.approx(rows["math"]["loss"], rel=1e-5)
+    assert rows["cakeops-recompute"]["loss"] == rows["cakeops"]["loss"]  # the same weights and math
     assert rows["plain"]["overhead_pct"] == 0.0
     assert rows["cakeops"]["overhead_pct"] == pytest.approx(
         100 * (rows["cakeops"]["step_ms"] / rows["plain"]["step_ms"] - 1))
@@ -39,7 +40,8 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
     assert check["ok"] and check["loss_abs_diff"] <= 1e-4 and check["logits_rel_err"] <= 1e-3
     assert 0 < check["grad_max_rel_err"] <= 1e-2  # not 0: two different codes compute the gradients
     md = (tmp_path / "model.md").read_text()
-    assert "| config | plain residual | cakeops mHC | mHC as torch.compile'd math | TE Triton mHC |" in md
+    assert ("| config | plain residual | cakeops mHC | cakeops mHC + recompute | mHC as torch.compile'd math | "
+            "TE Triton mHC |") in md
     assert "Agreement check: cakeops vs math" in md and "not performance numbers" in md
     assert (tmp_path / "model.png").exists() == bench_model.plot.available()
 
