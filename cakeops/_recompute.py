@@ -26,8 +26,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def default_group_size(n_streams: int, n_layers: int) -> int:
-    """DeepSeek's Eq. 20: L_r* = sqrt(n * L / (n + 2)) minimises kept + rebuilt streams, rounded, at least 1."""
-    return max(1, round(math.sqrt(n_streams * n_layers / (n_streams + 2))))
+    """2n layers (8 at n = 4), at most the layers found. DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), balances the kept
+    first inputs against a group's streams all rebuilt at once; here one layer's streams are rebuilt at a time, so a
+    larger group only adds reads of the earlier layers' B (C elements each) to each rebuild. At 2n a layer keeps
+    half a stream of X on average, and a rebuild reads about 1.3 forward_finishes' bytes (design.md §5 has the
+    bytes per token and the measured choice)."""
+    return max(1, min(n_layers, 2 * n_streams))
 
 
 class _Signature:

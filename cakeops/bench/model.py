@@ -13,7 +13,9 @@ graph breaks allowed, and the report says so).
 Timing (CUDA): the first step compiles (its time, less one steady step, is the compile time), ``--warmup``
 more steps, then ``--steps`` steps, each between two ``torch.cuda.synchronize()`` calls, wall clock; the median
 is reported. Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps, reset per variant (weights,
-gradients and activations; optimizer state with ``--optimizer``). Each variant is built, run and freed on its own.
+gradients and activations; optimizer state with ``--optimizer``), that peak less what was allocated before the
+step ("above weights"), and the peak of one more step above everything before it with the gradients already
+allocated ("activations": what the residual schemes differ in). Each variant is built, run and freed on its own.
 
 Before timing, an agreement check on the tiny config in FP32: the cakeops and the math model on the same weights
 must give the same logits, loss and gradients (and TE's, when installed, nearly the same logits: informational).
@@ -178,8 +180,8 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
                 return model.loss
             return torch.compile(model.loss, fullgraph=full, backend=opts.backend, mode=opts.mode)
 
-        def step():
-            model.zero_grad(set_to_none=True)
+        def step(keep_grads: bool = False):
+            model.zero_grad(set_to_none=not keep_grads)
             loss = fn(tokens, targets)
             loss.backward()
             if opt is not None:
@@ -238,6 +240,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         if row["peak_gib"] is not None:  # activations, gradients and the step's transients
             row["peak_above_weights_gib"] = row["peak_gib"] - row["weights_gib"]
+            row["activation_peak_gib"] = _activation_peak(step, device)
         if opts.profile and device.type == "cuda":
             say(f"  {variant}: one step under the profiler")
             row["gpu_ms_by_kind"], row["cakeops_kernel_ms"] = kernel_breakdown.breakdown(step, device)
@@ -254,6 +257,19 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
     return row
 
 
+def _activation_peak(step, device) -> float:
+    """GiB at the peak of one step above everything alive before it, the parameters' gradients already allocated
+    (zeroed, not freed): what the forward keeps for the backward and the backward's transients, the loss's included
+    -- the activation memory that residual schemes differ in."""
+    step(keep_grads=True)  # the gradients exist from here on
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step(keep_grads=True)
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2 ** 30
+
+
 def _overheads(rows: List[Dict[str, Any]]) -> None:
     plain = next((r for r in rows if r["variant"] == "plain" and r["status"] == "ok"), None)
     for r in rows:
@@ -261,8 +277,9 @@ def _overheads(rows: List[Dict[str, Any]]) -> None:
         r["overhead_pct"] = 100.0 * (r["step_ms"] - plain["step_ms"]) / plain["step_ms"] if ok else None
         r["peak_overhead_pct"] = (100.0 * (r["peak_gib"] - plain["peak_gib"]) / plain["peak_gib"]
                                   if ok and r.get("peak_gib") and plain.get("peak_gib") else None)
-        above, plain_above = r.get("peak_above_weights_gib"), plain.get("peak_above_weights_gib") if plain else None
-        r["peak_above_vs_plain"] = above / plain_above if ok and above and plain_above else None
+        for key in ("peak_above_weights_gib", "activation_peak_gib"):
+            mine, plains = r.get(key), plain.get(key) if plain else None
+            r[key.replace("_gib", "_vs_plain")] = mine / plains if ok and mine and plains else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -363,6 +380,7 @@ def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) ->
 def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
     columns = ["config", "variant", "step ms", "vs plain", "host ms", "tokens/s",
                "peak GiB" if cuda else "peak GiB (CUDA)", "peak vs plain", "above weights GiB", "above vs plain",
+               "activations GiB", "act. vs plain",
                "compile s", "first loss", "params", "notes"]
     cells = []
     for res in results:
@@ -373,7 +391,9 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
                           _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
                           _fmt(r.get("peak_gib"), ".2f"), _pct(r.get("peak_overhead_pct")),
-                          _fmt(r.get("peak_above_weights_gib"), ".2f"), _fmt(r.get("peak_above_vs_plain"), ".2f", "×"),
+                          _fmt(r.get("peak_above_weights_gib"), ".2f"),
+                          _fmt(r.get("peak_above_weights_vs_plain"), ".2f", "×"),
+                          _fmt(r.get("activation_peak_gib"), ".2f"), _fmt(r.get("activation_peak_vs_plain"), ".2f", "×"),
                           _fmt(r.get("compile_s"), ".1f"), _fmt(r.get("loss"), ".4f"),
                           _fmt(r.get("params") and r["params"] / 1e6, ".1f", "M"), "; ".join(notes)])
     return columns, cells

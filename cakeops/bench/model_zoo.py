@@ -10,7 +10,7 @@ Variants (the residual scheme around every attention and MLP branch):
 
 - ``plain``: ``h = h + branch(norm(h))``, one stream.
 - ``cakeops``: ``StreamExpand`` -> ``cakeops.nn.MHC(branch)`` per branch -> ``MHCHead``; mappings kept FP32.
-- ``cakeops-recompute``: ``cakeops`` with stream recompute (``cakeops.nn.recompute_mhc``, Eq. 20's group size):
+- ``cakeops-recompute``: ``cakeops`` with stream recompute (``cakeops.nn.recompute_mhc``, its default groups):
   the same weights and the same gradients, fewer residual streams kept for the backward (eager models).
 - ``math``: the same layer, the same parameters and initialisation (``MathMHC`` subclasses ``nn.MHC``), written
   in plain differentiable torch ops -- ``cakeops.reference.mhc.layer``, the SPEC math with its 20-step Sinkhorn --
