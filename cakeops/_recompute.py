@@ -1,4 +1,4 @@
-"""Stream recompute (``cakeops.nn.recompute_mhc``; design.md §5): consecutive mHC layers form groups; only a
+"""Stream recompute (``cakeops.nn.recompute_mhc``; design.md §6): consecutive mHC layers form groups; only a
 group's first layer keeps its input streams X for the backward, the others keep their branch output B and stats
 record (which they keep anyway) and get X rebuilt in the backward by running the forward_finish kernel again --
 never the branch. The same kernel on the same inputs gives the forward's bits, so gradients are bitwise those
@@ -29,7 +29,7 @@ def default_group_size(n_streams: int, n_layers: int) -> int:
     """2n layers (8 at n = 4), at most the layers found. DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), balances the kept
     first inputs against a group's streams all rebuilt at once; here one layer's streams are rebuilt at a time, so a
     larger group only adds reads of the earlier layers' B (C elements each) to each rebuild. At 2n a layer keeps
-    half a stream of X on average, and a rebuild reads about 1.3 forward_finishes' bytes (design.md §5 has the
+    half a stream of X on average, and a rebuild reads about 1.3 forward_finishes' bytes (design.md §6 has the
     bytes per token and the measured choice)."""
     return max(1, min(n_layers, 2 * n_streams))
 

@@ -634,7 +634,7 @@ def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, wo
     args.flag("deterministic", deterministic)
     if _traced.through_ops() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
         if recompute is not None:
-            recompute.close()  # compiled and DTensor layers keep their streams (design.md §5)
+            recompute.close()  # compiled and DTensor layers keep their streams (design.md §6)
         U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
         handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     else:

@@ -228,7 +228,7 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     output and its per-token record. Returns ``module``.
 
     ``group_size``: an int >= 1; None takes 2n layers (8 at n = 4; at most the L layers found: DeepSeek's Eq. 20
-    balances a group rebuilt all at once, cakeops rebuilds one layer at a time, see design.md §5); 1 turns recompute
+    balances a group rebuilt all at once, cakeops rebuilds one layer at a time, see design.md §6); 1 turns recompute
     off again (every layer keeps its own streams). Shown in each layer's repr.
 
     Groups form at run time: a layer joins its predecessor's group only when its input is that layer's output,

@@ -267,7 +267,7 @@ def test_activation_memory_ratio():
     """The memory saving, guarded: a Llama-like stack (bench model_zoo, 4 blocks = 8 mHC layers, FP32, CPU reference
     math), peak activation bytes of a step over the plain-residual model's: cakeops keeps the streams (1.55x
     measured), recompute_mhc with its default group (all 8 layers) 1.25x -- what this design keeps (B, a share of
-    X0, the records) and holds while a layer's backward runs (its rebuilt streams), design.md §5. A layer that kept
+    X0, the records) and holds while a layer's backward runs (its rebuilt streams), design.md §6. A layer that kept
     its streams again would put it back above 1.45x."""
     from cakeops.bench.model_zoo import Config, build
 
@@ -278,3 +278,71 @@ def test_activation_memory_ratio():
     ratio = {v: peaks[v] / peaks["plain"] for v in peaks}
     assert 1.45 < ratio["cakeops"] < 1.7, ratio  # the streams kept: what recompute is for
     assert ratio["cakeops-recompute"] <= 1.3, ratio
+
+
+def _distributed_worker(rank, init_file, parallel):
+    """Each rank trains its half of the batch twice, one model with recompute_mhc and one without, wrapped alike
+    (DDP, or FSDP2 per block with and without a bf16 policy, or FSDP2 with block 3 checkpointed): losses and
+    every gradient bitwise equal, step after step (groups span the FSDP units: the rebuild reads no parameter)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cakeops import _recompute
+
+    rebuilt = []
+    original = _recompute.StreamGroup.streams
+    _recompute.StreamGroup.streams = lambda group, k: rebuilt.append(k) or original(group, k)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        base = TinyLM(vocab=40, dim=32, layers=3, heads=2, max_len=16)
+        models = []
+        for recompute in (False, True):
+            model = copy.deepcopy(base)
+            if recompute:
+                cnn.recompute_mhc(model, 4)
+            if parallel == "ddp":
+                model = DDP(model)
+            else:
+                mesh = init_device_mesh("cpu", (2,))
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if parallel == "fsdp2-bf16" else None
+                for i, block in enumerate(model.blocks):
+                    if parallel == "fsdp2-ac" and i == 3:
+                        model.blocks[i] = block = torch.distributed.algorithms._checkpoint.checkpoint_wrapper \
+                            .checkpoint_wrapper(block)
+                    fully_shard(block, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+                fully_shard(model, mesh=mesh, **({"mp_policy": policy} if policy else {}))
+            models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+        gen = torch.Generator().manual_seed(1)
+        for step in range(2):
+            tokens = torch.randint(0, 40, (4, 11), generator=gen).chunk(2)[rank]
+            results = []
+            for model, opt in models:
+                opt.zero_grad(set_to_none=True)
+                if parallel == "ddp":  # through DDP's forward, which arms its gradient sync
+                    logits = model(tokens[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 40), tokens[:, 1:].reshape(-1))
+                else:
+                    loss = model.loss(tokens)
+                loss.backward()
+                results.append([loss.detach()] + [getattr(p.grad, "_local_tensor", p.grad).clone()
+                                                   for p in model.parameters()])
+                opt.step()
+            for i, (a, b) in enumerate(zip(*results)):
+                assert torch.equal(a, b), f"{parallel} rank {rank} step {step}: tensor {i} differs"
+            # 6 layers in groups of 4: 4 followers, streams asked twice; block 3 checkpointed: [0 1 2] 3 [4 5]
+            assert len(rebuilt) == (6 if parallel == "fsdp2-ac" else 8), (parallel, rebuilt)
+            rebuilt.clear()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch has no torch.distributed")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "fsdp2-bf16", "fsdp2-ac"])
+def test_two_processes_bitwise(parallel):
+    from cakeops.testing import spawn_ranks
+
+    spawn_ranks(_distributed_worker, 2, parallel)
