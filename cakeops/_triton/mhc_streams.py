@@ -155,7 +155,25 @@ def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda).to(device, non_blocking=True)
 
 
-def rebuild(X0: torch.Tensor, Bs, stats_list, Y: torch.Tensor, table: Optional[torch.Tensor] = None) -> None:
+@dataclass(frozen=True)
+class RebuildConfig:
+    """Launch shape of the rebuild kernel: ``elements`` stream values (n * BLOCK_C) per program, held in registers
+    through every layer; ``warps`` None: a warp per 256 columns, at most 8."""
+    elements: int = 8192
+    warps: Optional[int] = None
+
+    def resolve(self, C: int, n: int):
+        block_c = min(2048, next_power_of_2(C), max(1, self.elements // n))
+        return block_c, self.warps or max(1, min(8, block_c // 256))
+
+    @staticmethod
+    def candidates():
+        for elements, warps in ((4096, None), (4096, 4), (8192, 4), (8192, 16), (16384, 8), (2048, 2)):
+            yield RebuildConfig(elements, warps)
+
+
+def rebuild(X0: torch.Tensor, Bs, stats_list, Y: torch.Tensor, table: Optional[torch.Tensor] = None, *,
+            config: Optional[RebuildConfig] = None) -> None:
     """Y = the streams after len(Bs) forward_finishes of X0 with the branch outputs ``Bs`` ([T, C], one dtype,
     unit stride along C) and records ``stats_list`` (contiguous), in one pass: bitwise the chained finishes.
     ``table``: ``rebuild_table`` of these layers (or of a longer run starting with them), else made here. The
@@ -167,12 +185,11 @@ def rebuild(X0: torch.Tensor, Bs, stats_list, Y: torch.Tensor, table: Optional[t
     assert all(s.is_contiguous() for s in stats_list) and len({B.dtype for B in Bs}) == 1
     if table is None:
         table = rebuild_table(Bs, stats_list, X0.device)
-    block_c, warps = (StreamConfig()).resolve(C)
-    block_c = min(block_c, 8192 // n)  # the streams stay in registers: n * BLOCK_C floats per program
+    block_c, warps = (config or RebuildConfig()).resolve(C, n)
     c_blocks = cdiv(C, block_c)
     fast(_rebuild_kernel)[(T * c_blocks,)](
         X0, Bs[0], table[0], table[1], table[2], Y, C, len(Bs), X0.stride(0), X0.stride(1), Y.stride(0),
-        Y.stride(1), c_blocks, N=n, BLOCK_C=block_c, num_warps=max(1, min(8, block_c // 256)),
+        Y.stride(1), c_blocks, N=n, BLOCK_C=block_c, num_warps=warps,
     )
 
 
