@@ -325,6 +325,28 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
     return call
 
 
+def norm_and_head_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
+    """A callable that runs the RMSNorm launchers at [T, C] (forward and backward, with and without the residual)
+    and the plain head's (the mean over n streams, its backward) on meta tensors: the kernels the other two
+    launch sets do not reach. ``config`` is not read (their defaults)."""
+    import torch
+    from .._triton import mhc_streams, rmsnorm
+
+    def call():
+        m = torch.device("meta")
+        x, w, rstd = torch.empty(T, C, dtype=dtype, device=m), torch.empty(C, dtype=dtype, device=m), \
+            torch.empty(T, device=m)
+        for residual in (None, torch.empty_like(x)):
+            h_out = None if residual is None else torch.empty_like(x)
+            rmsnorm.forward(x, w, 1e-6, torch.empty_like(x), rstd, residual, h_out)
+            rmsnorm.backward(torch.empty_like(x), x, w, rstd, torch.empty_like(x), torch.empty(C, device=m),
+                             residual, deterministic)
+        X = torch.empty(T, n, C, dtype=dtype, device=m)
+        mhc_streams.head_forward(X, torch.empty_like(x))
+        mhc_streams.head_backward(torch.empty_like(x), torch.empty_like(X), False)
+    return call
+
+
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
           deterministic: bool = True, out=print, kernels=None, launches=None, sha: bool = False) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
