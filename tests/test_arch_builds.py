@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 
-from cakeops._triton import arch
+from cakeops._triton import arch, mhc_prepare
 from cakeops._triton.mhc_prepare import PrepareConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +144,7 @@ def test_launchers_resolve_for_the_assumed_gpu_on_tensors_on_none(monkeypatch):
         # a stand-in build: 96 KB per stage of the 128 x 64 tile, half that at 32 columns
         monkeypatch.setattr(arch, "built_shared_memory",
                             lambda target, kernel, args, kw: kw["num_stages"] * kw["BLOCK_C"] * 1536)
+        monkeypatch.setattr(mhc_prepare, "_fit", mhc_prepare._fit.__wrapped__)  # no cached fits of the stand-in
         cfg = PrepareConfig().resolve_for(8192, 1024, torch.device("meta"), True, n=4)
         assert (cfg.block_t, cfg.block_c, cfg.num_stages) == (128, 32, 2)
     assert arch.target_of(torch.device("meta")) == arch.REFERENCE

@@ -145,6 +145,7 @@ def test_projection_shape_fills_the_multiprocessors(monkeypatch, T, C, want):
     # a GPU whose shared memory the 3 stages' build exceeds falls back to 2 (sm_80, 163 KB: mma.sync's pipeline
     # takes stages - 1 buffers of the 128 x 64 tile's 96 KB; tests/test_arch_builds.py builds the real ones)
     monkeypatch.setattr(arch, "built_shared_memory", lambda target, kernel, args, kw: (kw["num_stages"] - 1) * 98304)
+    monkeypatch.setattr(mhc_prepare, "_fit", mhc_prepare._fit.__wrapped__)  # no cached fits of the stand-in
     with arch.assume(arch.TARGETS[80]):
         assert mhc_prepare.PrepareConfig().resolve(X).num_stages == (2 if want[3] == 3 else want[3])
 

@@ -407,11 +407,15 @@ def _dfn_options(cfg: FinishConfig, n: int, C: int, dtype: torch.dtype, atomic: 
                 num_warps=cfg.dfn_warps, **pipeline_stages(cfg.dfn_stages))
 
 
-def _dfn_build(cfg: FinishConfig, n: int, C: int, dtype: torch.dtype, atomic: bool):
-    """Kernel C's launch at ``cfg`` as ``arch.first_fit`` builds it: X, dz (its bf16 pieces when presplit), the
-    partials; T, C, blocks per split and X's strides (16-divisible stand-ins)."""
+@functools.lru_cache(maxsize=256)  # per backward call, on the host path
+def _dfn_fit(cfg: FinishConfig, target, n: int, C: int, dtype: torch.dtype, atomic: bool) -> FinishConfig:
+    """``cfg`` with kernel C's stages as deep as ``target``'s shared memory holds. What ``arch.first_fit`` builds:
+    X, dz (its bf16 pieces when presplit), the partials; T, C, blocks per split and X's strides (16-divisible
+    stand-ins)."""
     dz = torch.bfloat16 if _dfn_split_bf16(cfg, dtype) and cfg.dfn_presplit else torch.float32
-    return _dfn_kernel, (dtype, dz, dz, torch.float32) + (4096,) * 5, _dfn_options(cfg, n, C, dtype, atomic)
+    args = (dtype, dz, dz, torch.float32) + (4096,) * 5
+    return arch.first_fit(target, (replace(cfg, dfn_stages=s) for s in arch.fewer_stages(cfg.dfn_stages)),
+                          lambda c: (_dfn_kernel, args, _dfn_options(c, n, C, dtype, atomic)))
 
 
 def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
@@ -452,9 +456,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     if config is None and cfg.dfn_stages:
         # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
         # stages: its tile sizes the workspace
-        build = functools.partial(_dfn_build, n=n, C=C, dtype=X.dtype, atomic=not deterministic)
-        cfg = arch.first_fit(arch.target_of(X.device),
-                             (replace(cfg, dfn_stages=s) for s in arch.fewer_stages(cfg.dfn_stages)), build)
+        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, X.dtype, not deterministic)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
     dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device,
                                                                       separate=tracing())

@@ -296,8 +296,8 @@ def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
     """The projection's resolved launch shape for X: on a GPU, falling back where its build does not fit the
     device (PrepareConfig.fallbacks) in the fields ``cfg.projection`` leaves None."""
     _, n, C = X.shape
-    return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(
-        X, build=functools.partial(_project_build, n=n, dtype=X.dtype), free=unset_fields(cfg.projection))
+    return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(X, build=_project_build,
+                                                                   free=unset_fields(cfg.projection))
 
 
 def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
@@ -588,12 +588,15 @@ def _columns_options(cfg: GatedHeadConfig, n: int, atomic: bool, block_c: int, l
                 LOOP_STAGES=loop_stages, num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages))
 
 
-def _columns_build(cfg: GatedHeadConfig, loop_stages: int, n: int, dtype: torch.dtype, atomic: bool, block_c: int):
-    """The one-pass kernel's launch at ``loop_stages`` as ``arch.first_fit`` builds it: X, dY, fn, the record, the
-    dz rows, dX, dfn; T, C, blocks per split and six strides (16-divisible stand-ins)."""
+@functools.lru_cache(maxsize=256)  # per backward call, on the host path
+def _columns_fit(cfg: GatedHeadConfig, target, n: int, dtype: torch.dtype, atomic: bool, block_c: int) -> int:
+    """The one-pass kernel's token-loop stages: its default, or fewer where the build does not fit ``target``.
+    What ``arch.first_fit`` builds: X, dY, fn, the record, the dz rows, dX, dfn; T, C, blocks per split and six
+    strides (16-divisible stand-ins)."""
     f32 = torch.float32
-    return (_head_dx_columns_kernel, (dtype, dtype, f32, f32, f32, dtype, f32) + (4096,) * 9,
-            _columns_options(cfg, n, atomic, block_c, loop_stages))
+    args = (dtype, dtype, f32, f32, f32, dtype, f32) + (4096,) * 9
+    return arch.first_fit(target, arch.fewer_stages(cfg.columns_shape(n)[3]), lambda stages: (
+        _head_dx_columns_kernel, args, _columns_options(cfg, n, atomic, block_c, stages)))
 
 
 def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -638,8 +641,7 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     if cfg.dfn == "columns":
         loop_stages = cfg.columns_shape(n)[3]
         if cfg.columns_loop_stages is None:  # as deep as the GPU's shared memory holds (sm_120, fp32, n = 8: 3)
-            build = functools.partial(_columns_build, cfg, n=n, dtype=X.dtype, atomic=atomic, block_c=plan.dx.block_c)
-            loop_stages = arch.first_fit(arch.target_of(X.device), arch.fewer_stages(loop_stages), build)
+            loop_stages = _columns_fit(cfg, arch.target_of(X.device), n, X.dtype, atomic, plan.dx.block_c)
         fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),

@@ -287,8 +287,8 @@ class PrepareConfig:
                     free: Optional[frozenset] = None) -> "PrepareConfig":
         """``resolve`` from the sizes alone (the workspace size helpers have no X). On a GPU the shape is the one
         measured on sm_90, or the first of ``fallbacks`` whose build fits the device (``arch.first_fit``):
-        ``build(config)`` gives the projection's launch (default: forward_prepare's ``_project_kernel``); ``free``
-        names the fields it may change (default: those this config leaves None)."""
+        ``build(config, n, dtype)`` gives the projection's launch (default: forward_prepare's ``_project_kernel``);
+        ``free`` names the fields it may change (default: those this config leaves None)."""
         # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider: a loop step of all 8 streams
         # fits 16 columns per chunk (n = 4's 64 would need 1 MB of shared memory), one stream per step 64.
         wide = n > 4
@@ -324,8 +324,7 @@ class PrepareConfig:
         if cfg.num_stages is None:  # the interpreter: Triton's default, nothing to fit
             return cfg
         free = unset_fields(self) if free is None else free
-        return arch.first_fit(arch.target_of(device), cfg.fallbacks(free),
-                              build or functools.partial(_project_build, n=n, dtype=dtype))
+        return _fit(cfg, free, arch.target_of(device), build or _project_build, n, dtype)
 
     def fallbacks(self, free: frozenset):
         """This resolved config, then the same with fewer stages (down to 2), then with smaller tiles: columns per
@@ -411,6 +410,7 @@ LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8)}  # the stages: resolve's (3
 TILE_FIELDS = ("block_t", "block_c", "num_warps", "num_stages")
 
 
+@functools.lru_cache(maxsize=256)
 def unset_fields(config: Optional[PrepareConfig]) -> frozenset:
     """The tile fields ``config`` leaves None (every one without a config): those ``resolve`` may fall back on when
     the build does not fit the GPU. Defaults filled in before ``resolve`` (LAYER_DEFAULTS, the gated head's) stay
@@ -444,6 +444,11 @@ def _project_options(cfg: PrepareConfig, n: int, dtype: torch.dtype) -> dict:
 def _project_build(cfg: PrepareConfig, n: int, dtype: torch.dtype):
     """forward_prepare's projection launch at ``cfg`` (what ``arch.first_fit`` builds)."""
     return _project_kernel, projection_args(cfg, dtype), _project_options(cfg, n, dtype)
+
+
+@functools.lru_cache(maxsize=1024)  # resolve runs per call, on the host path
+def _fit(cfg: PrepareConfig, free: frozenset, target, build, n: int, dtype: torch.dtype) -> PrepareConfig:
+    return arch.first_fit(target, cfg.fallbacks(free), functools.partial(build, n=n, dtype=dtype))
 
 
 def layer_config(config: Optional[PrepareConfig], n: int, cuda: bool) -> PrepareConfig:

@@ -1,5 +1,6 @@
 """``python -m cakeops.bench.build_check [--n 2,4,8] [--T 16384] [--C 4096] [--sm 90] [--config EXPR]``: compile
-every kernel the gated head's launchers launch, at the launch shapes they pick, for a GPU that is not there.
+every kernel the gated head's launchers launch (``--op mhc``: an mHC layer's), at the launch shapes they pick, for a
+GPU that is not there.
 
 No GPU needed (and none used): the launchers run on meta tensors with Triton's ``JITFunction.run`` replaced by a
 recorder; each recorded launch is bound exactly as Triton binds it (types, constexprs, alignment attributes,
@@ -400,7 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--test-sizes", action="store_true",
                    help="also tests/test_mhc_gated_head.py::test_real_size_on_gpu's sizes (T=4096, C=8192/n)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--sm", type=int, default=90)
+    p.add_argument("--sm", type=int, default=90,
+                   help="the GPU to build for (80, 86, 89, 90, 100, 120: cakeops._triton.arch.TARGETS' shared memory; "
+                        "the launchers resolve their configs for it as on the device)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors the grids are sized for (H200: 132)")
     p.add_argument("--config", default=None,
                    help="a GatedHeadConfig(...) expression; with --op mhc a PrepareConfig, BackwardPrepareConfig or "
