@@ -2,8 +2,8 @@
 
 The defaults were measured on an H200 (sm_90, 227 KB of shared memory per block). Other GPUs offer other limits
 (sm_80 163 KB, sm_120 99 KB), and Triton builds the same kernel differently for them: its software pipeline keeps
-one buffer per stage of each tile on sm_100 (tcgen05) and more, where sm_90 (wgmma) keeps one fewer for a tile also
-read in registers and sm_80 / sm_120 (mma.sync) one fewer for every tile. forward_prepare's projection at its
+one buffer per stage of every tile on sm_100 (tcgen05), and a copy more of some, where sm_90 (wgmma) keeps one
+fewer for a tile also read in registers and sm_80 / sm_120 (mma.sync) one fewer for every tile. forward_prepare's projection at its
 sm_90 default (128 x 64 tiles, 8 warps, 3 stages, bf16, n = 4) takes 224 KB there, 352-360 KB on sm_100 and 192
 KB on sm_80 / sm_120; with fp32 X the sizes differ again, so no one formula predicts them.
 

@@ -278,7 +278,7 @@ class PrepareConfig:
     maxnreg: Optional[int] = None      # projection: registers per thread (None: 128 for bf16 x with the split)
 
     def resolve(self, X: torch.Tensor, build=None, free: Optional[frozenset] = None) -> "PrepareConfig":
-        """This config with every None replaced by the default for X's shape and device."""
+        """This config with every None replaced by the default for X's shape and device (``resolve_for``)."""
         T, n, C = X.shape
         return self.resolve_for(T, C, X.device, X.is_cuda, n=n, dtype=X.dtype, build=build, free=free)
 
@@ -298,7 +298,8 @@ class PrepareConfig:
         block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
         asked = dtype == torch.bfloat16 if self.logit_split is None else self.logit_split
         split = asked and logit_split_widths(n, True)[0] > 0
-        if not (device.type == "cuda" if cuda is None else cuda):
+        gpu = device.type == "cuda" if cuda is None else cuda
+        if not gpu:
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
@@ -321,7 +322,7 @@ class PrepareConfig:
         chosen["stream_steps"] = stream_steps
         # logit_split as it runs: asked for at n = 2 / 4 it has nothing to split
         cfg = replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None}, logit_split=split)
-        if cfg.num_stages is None:  # the interpreter: Triton's default, nothing to fit
+        if not gpu or cfg.num_stages is None:  # the interpreter: nothing is built
             return cfg
         free = unset_fields(self) if free is None else free
         return _fit(cfg, free, arch.target_of(device), build or _project_build, n, dtype)
