@@ -22,6 +22,7 @@ import functools
 from typing import Callable, Iterable, NamedTuple, Optional, TypeVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 class Target(NamedTuple):
@@ -93,8 +94,11 @@ def _built(kernel, target: Target, args: tuple, kwargs: tuple) -> Optional[int]:
             return None
         gpu = GPUTarget("cuda", target.capability, 32)
         backend = make_backend(gpu)
-        signature, constexprs, attrs, options = bind(kernel, backend, [_example(a) for a in args],
-                                                     {k: _example(v) for k, v in kwargs})
+        # torch.compile may be tracing the launcher (fake tensors, a proxy mode): the stand-ins are plain meta
+        # tensors, made and bound outside its modes
+        with _disable_current_modes():
+            signature, constexprs, attrs, options = bind(kernel, backend, [_example(a) for a in args],
+                                                         {k: _example(v) for k, v in kwargs})
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu,
                                   options=options.__dict__)
         return compiled.metadata.shared
