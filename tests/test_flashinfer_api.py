@@ -337,7 +337,6 @@ def test_the_forward_workspace_size_follows_the_gpus_slicing_rule(monkeypatch):
     from cakeops._workspace import layout_bytes
 
     monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm=2: min(work, 132 * per_sm))
-    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
     gpu = torch.device("cuda")
     # every dtype (their columns per chunk and, at n = 8, programs per SM differ, so do their slices), the layer's
     # default and resolve's rule, a hidden size whose chunks bound the slices

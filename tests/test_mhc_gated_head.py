@@ -254,7 +254,6 @@ def test_projection_shape_per_n_and_dtype(monkeypatch):
     from cakeops._triton import mhc_prepare as P
 
     monkeypatch.setattr(P, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
-    monkeypatch.setattr(P, "_large_shared_memory", lambda device: True)
 
     def resolved(n, dtype, cuda=True, config=K.GatedHeadConfig()):
         X = SimpleNamespace(shape=(8192, n, 4096), dtype=dtype, is_cuda=cuda,

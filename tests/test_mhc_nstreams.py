@@ -421,7 +421,6 @@ def test_tuner_candidates_at_n8_are_n8_shapes_distinct_and_resolve(monkeypatch, 
         from cakeops._triton import mhc_prepare  # resolved for an H200 that is not there
 
         monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
-        monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
         resolved = [cfg.resolve_for(16384, 4096, torch.device("cuda"), True, n=8) for cfg in wide]
         assert all(r.slices >= 1 for r in resolved)
         # all 8 streams per loop step fit 16 columns of n = 8's fn tiles; one stream per step 32 to 128
@@ -445,7 +444,6 @@ def test_n8_projection_splits_logits_for_bf16_and_fills_two_programs_per_sm(monk
     from cakeops._triton import mhc_prepare as P
 
     monkeypatch.setattr(P, "persistent_programs", lambda device, work, per_sm: min(work, 132 * per_sm))
-    monkeypatch.setattr(P, "_large_shared_memory", lambda device: True)
     cuda = torch.device("cuda")
     default = P.layer_config(None, 8, True)
     got = {(T, dtype): default.resolve_for(T, 4096, cuda, True, n=8, dtype=dtype)
@@ -485,7 +483,6 @@ def test_layer_projection_gives_every_multiprocessor_a_program(monkeypatch, n, T
     from cakeops._triton import mhc_prepare
 
     monkeypatch.setattr(mhc_prepare, "persistent_programs", lambda device, work, per_sm=2: min(work, 132 * per_sm))
-    monkeypatch.setattr(mhc_prepare, "_large_shared_memory", lambda device: True)
     cfg = mhc_prepare.layer_config(None, n, True).resolve_for(T, 4096, torch.device("cuda"), True, n=n)
     programs = -(-T // cfg.block_t) * cfg.slices
     assert 132 * 0.9 <= programs <= 2 * 132 and cfg.slices <= 8, (cfg.block_t, cfg.slices)

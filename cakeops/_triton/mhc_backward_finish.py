@@ -36,6 +36,7 @@ from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
+from . import arch
 from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
@@ -393,6 +394,30 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _dfn_split_bf16(cfg: FinishConfig, dtype: torch.dtype) -> bool:
+    return cfg.dfn_split_bf16 and dtype == torch.bfloat16
+
+
+def _dfn_options(cfg: FinishConfig, n: int, C: int, dtype: torch.dtype, atomic: bool) -> dict:
+    """Kernel C's constexprs and launch options (``cfg`` resolved for n streams)."""
+    split_bf16 = _dfn_split_bf16(cfg, dtype)
+    return dict(N=n, M_PAD=logits_pad(n), ATOMIC=atomic, PRECISION=cfg.input_precision or _precision(dtype),
+                BLOCK_T=cfg.dfn_block_t, BLOCK_C=max(16, min(cfg.dfn_block_c, next_power_of_2(C))),
+                SPLIT_BF16=split_bf16, INTERPRET=interpreting(), PRESPLIT=split_bf16 and cfg.dfn_presplit,
+                num_warps=cfg.dfn_warps, **pipeline_stages(cfg.dfn_stages))
+
+
+@functools.lru_cache(maxsize=256)  # per backward call, on the host path
+def _dfn_fit(cfg: FinishConfig, target, n: int, C: int, dtype: torch.dtype, atomic: bool) -> FinishConfig:
+    """``cfg`` with kernel C's stages as deep as ``target``'s shared memory holds. What ``arch.first_fit`` builds:
+    X, dz (its bf16 pieces when presplit), the partials; T, C, blocks per split and X's strides (16-divisible
+    stand-ins)."""
+    dz = torch.bfloat16 if _dfn_split_bf16(cfg, dtype) and cfg.dfn_presplit else torch.float32
+    args = (dtype, dz, dz, torch.float32) + (4096,) * 5
+    return arch.first_fit(target, (replace(cfg, dfn_stages=s) for s in arch.fewer_stages(cfg.dfn_stages)),
+                          lambda c: (_dfn_kernel, args, _dfn_options(c, n, C, dtype, atomic)))
+
+
 def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                     base: torch.Tensor, stats: torch.Tensor, grad_stats: torch.Tensor, rms_eps: float,
                     hc_eps: float, sinkhorn_iters: int, dX: torch.Tensor, dfn: torch.Tensor, dscale: torch.Tensor,
@@ -428,6 +453,10 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
         # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
         cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
+    if config is None and cfg.dfn_stages:
+        # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
+        # stages: its tile sizes the workspace
+        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, X.dtype, not deterministic)
     plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
     dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device,
                                                                       separate=tracing())
@@ -471,7 +500,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
             X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages),
             **register_cap(cfg.maxnreg),
         )
-    split_bf16 = cfg.dfn_split_bf16 and X.dtype == torch.bfloat16
+    split_bf16 = _dfn_split_bf16(cfg, X.dtype)
     dz_c, dz_lo = dz, dz
     if split_bf16 and cfg.dfn_presplit:
         # the kernel is given the whole [2, T * M_PAD] buffer it writes (hi row, lo row): under torch.compile a
@@ -482,9 +511,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
         X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-        N=n, M_PAD=m_pad, ATOMIC=atomic, PRECISION=precision, BLOCK_T=cfg.dfn_block_t, BLOCK_C=plan.dfn.block_c,
-        SPLIT_BF16=split_bf16, INTERPRET=interpreting(), PRESPLIT=split_bf16 and cfg.dfn_presplit,
-        num_warps=cfg.dfn_warps, **pipeline_stages(cfg.dfn_stages),
+        **_dfn_options(cfg, n, C, X.dtype, atomic),
     )
     if not atomic:
         width = M * n * C

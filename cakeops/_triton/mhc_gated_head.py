@@ -50,13 +50,14 @@ import triton.language as tl
 from .fast_launch import fast, tracing
 from ..meta import mhc_head_layout as layout
 from ..meta import mhc_layout
-from .._backend import interpreting
 from .._workspace import fp32_scratch, fp32_scratch_numel
+from . import arch
 from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
 from .mhc_backward_finish import _precision, _split, _zero_unless_accumulate
 from .mhc_math import sigmoid
-from .mhc_prepare import PrepareConfig, _project, _split_fn_kernel
+from .mhc_prepare import (PrepareConfig, _project, _split_fn_kernel, projection_args, projection_options,
+                          unset_fields)
 from .mhc_streams import StreamConfig, collapse
 from .partials import sum_partials
 
@@ -286,10 +287,17 @@ def projection_config(cfg: GatedHeadConfig, n: int, C: int, dtype: torch.dtype, 
     return proj
 
 
+def _project_build(proj: PrepareConfig, n: int, dtype: torch.dtype):
+    """The projection's launch at ``proj`` (what ``arch.first_fit`` builds)."""
+    return _head_project_kernel, projection_args(proj, dtype), projection_options(proj, n, dtype, M_PAD)
+
+
 def _projection(cfg: GatedHeadConfig, X: torch.Tensor) -> PrepareConfig:
-    """The projection's resolved launch shape for X."""
+    """The projection's resolved launch shape for X: on a GPU, falling back where its build does not fit the
+    device (PrepareConfig.fallbacks) in the fields ``cfg.projection`` leaves None."""
     _, n, C = X.shape
-    return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(X)
+    return projection_config(cfg, n, C, X.dtype, X.is_cuda).resolve(X, build=_project_build,
+                                                                   free=unset_fields(cfg.projection))
 
 
 def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
@@ -315,10 +323,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         fast(_split_fn_kernel)[(n, cdiv(n * C, 1024))](fn, w, n, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
     fast(_head_project_kernel)[(cdiv(T, proj.block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
-        N=n, M_PAD=M_PAD, BLOCK_T=proj.block_t, BLOCK_C=proj.block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(), PRESPLIT=presplit, PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        STREAM_STEPS=proj.stream_steps, num_warps=proj.num_warps, **pipeline_stages(proj.num_stages),
-        **register_cap(proj.maxnreg),
+        **projection_options(proj, n, X.dtype, M_PAD),
     )
     fast(_head_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps),
@@ -576,6 +581,24 @@ def backward_workspace_numel(T: int, n: int, C: int, device, deterministic: bool
     return fp32_scratch_numel(_plan(T, n, C, torch.device(device), deterministic, config or GatedHeadConfig()).sizes)
 
 
+def _columns_options(cfg: GatedHeadConfig, n: int, atomic: bool, block_c: int, loop_stages: int) -> dict:
+    """The one-pass dX / dfn kernel's constexprs and launch options."""
+    block_t, _, prefetch, _ = cfg.columns_shape(n)
+    return dict(N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=block_c, PREFETCH=prefetch,
+                LOOP_STAGES=loop_stages, num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages))
+
+
+@functools.lru_cache(maxsize=256)  # per backward call, on the host path
+def _columns_fit(cfg: GatedHeadConfig, target, n: int, dtype: torch.dtype, atomic: bool, block_c: int) -> int:
+    """The one-pass kernel's token-loop stages: its default, or fewer where the build does not fit ``target``.
+    What ``arch.first_fit`` builds: X, dY, fn, the record, the dz rows, dX, dfn; T, C, blocks per split and six
+    strides (16-divisible stand-ins)."""
+    f32 = torch.float32
+    args = (dtype, dtype, f32, f32, f32, dtype, f32) + (4096,) * 9
+    return arch.first_fit(target, arch.fewer_stages(cfg.columns_shape(n)[3]), lambda stages: (
+        _head_dx_columns_kernel, args, _columns_options(cfg, n, atomic, block_c, stages)))
+
+
 def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              stats: torch.Tensor, dX: torch.Tensor, dfn: torch.Tensor, dscale: torch.Tensor, dbase: torch.Tensor,
              deterministic: bool = True, accumulate: bool = False, workspace: Optional[torch.Tensor] = None, *,
@@ -616,12 +639,13 @@ def backward(dY: torch.Tensor, X: torch.Tensor, fn: torch.Tensor, scale: torch.T
     precision = _precision(X.dtype)
     fused = cfg.dfn == "fused"
     if cfg.dfn == "columns":
-        block_t, _, prefetch, loop_stages = cfg.columns_shape(n)
+        loop_stages = cfg.columns_shape(n)[3]
+        if cfg.columns_loop_stages is None:  # as deep as the GPU's shared memory holds (sm_120, fp32, n = 8: 3)
+            loop_stages = _columns_fit(cfg, arch.target_of(X.device), n, X.dtype, atomic, plan.dx.block_c)
         fast(_head_dx_columns_kernel)[(plan.dx.columns, plan.dx.splits)](
             X, dY, fn, stats, dz, dX, dfn if atomic else dfn_part, T, C, plan.dx.blocks_per_split,
             X.stride(0), X.stride(1), dY.stride(0), fn.stride(0), dX.stride(0), dX.stride(1),
-            N=n, M_PAD=M_PAD, ATOMIC=atomic, BLOCK_T=block_t, BLOCK_C=plan.dx.block_c, PREFETCH=prefetch,
-            LOOP_STAGES=loop_stages, num_warps=cfg.columns_warps, **pipeline_stages(cfg.columns_stages),
+            **_columns_options(cfg, n, atomic, plan.dx.block_c, loop_stages),
         )
     else:
         fast(_head_dx_kernel)[(plan.dx.columns, plan.dx.splits)](

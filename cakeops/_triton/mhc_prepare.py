@@ -33,6 +33,7 @@ from .fast_launch import fast
 from ..meta import mhc_layout as layout
 from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, logits_pad
 from .._backend import interpreting
+from . import arch
 from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
@@ -244,19 +245,6 @@ def logit_split_widths(n: int, split: bool):
     return hi, lo
 
 
-def _large_shared_memory(device: torch.device) -> bool:
-    """At least ~200 KB of shared memory per block (sm_90: 227 KB; sm_80: 163 KB). Unknown devices: True."""
-    if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return True
-    return _optin_shared_memory(torch.cuda.current_device() if device.index is None else device.index) >= 200 * 1024
-
-
-@functools.lru_cache(maxsize=None)
-def _optin_shared_memory(index: int) -> int:
-    # per call on the forward's hot path: asked of the driver once per GPU
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
-
-
 @dataclass(frozen=True)
 class PrepareConfig:
     """Launch shape of forward_prepare / forward_stats. Fields left None are chosen for the call by ``resolve``;
@@ -270,7 +258,8 @@ class PrepareConfig:
     blocks instead gave 90 and 150); only past 8 slices do the blocks shrink. The interpreter wants small tiles.
     ``presplit`` (bf16 X): fn split into bf16 hi / lo once per call (a 2 us kernel) instead of per tile (146 us
     against 166). The gates kernel runs the Sinkhorn on SINKHORN_TILE (mhc_math.py). Measured on sm_90 only;
-    other GPUs take the same rules.
+    other GPUs take the same rules, then fewer stages or smaller tiles where the build does not fit their shared
+    memory (``arch.first_fit``; sm_90 keeps the measured shape).
     """
     block_t: Optional[int] = None      # projection: tokens per block
     block_c: Optional[int] = None      # projection: columns per chunk
@@ -288,14 +277,18 @@ class PrepareConfig:
     logit_split: Optional[bool] = None
     maxnreg: Optional[int] = None      # projection: registers per thread (None: 128 for bf16 x with the split)
 
-    def resolve(self, X: torch.Tensor) -> "PrepareConfig":
-        """This config with every None replaced by the default for X's shape and device."""
+    def resolve(self, X: torch.Tensor, build=None, free: Optional[frozenset] = None) -> "PrepareConfig":
+        """This config with every None replaced by the default for X's shape and device (``resolve_for``)."""
         T, n, C = X.shape
-        return self.resolve_for(T, C, X.device, X.is_cuda, n=n, dtype=X.dtype)
+        return self.resolve_for(T, C, X.device, X.is_cuda, n=n, dtype=X.dtype, build=build, free=free)
 
     def resolve_for(self, T: int, C: int, device: torch.device, cuda: Optional[bool] = None,
-                    n: int = 4, dtype: torch.dtype = torch.bfloat16) -> "PrepareConfig":
-        """``resolve`` from the sizes alone (the workspace size helpers have no X)."""
+                    n: int = 4, dtype: torch.dtype = torch.bfloat16, build=None,
+                    free: Optional[frozenset] = None) -> "PrepareConfig":
+        """``resolve`` from the sizes alone (the workspace size helpers have no X). On a GPU the shape is the one
+        measured on sm_90, or the first of ``fallbacks`` whose build fits the device (``arch.first_fit``):
+        ``build(config, n, dtype)`` gives the projection's launch (default: forward_prepare's ``_project_kernel``);
+        ``free`` names the fields it may change (default: those this config leaves None)."""
         # n = 8: M_PAD = 128 logit columns (32 for n = 4) make fn's tiles 4x wider: a loop step of all 8 streams
         # fits 16 columns per chunk (n = 4's 64 would need 1 MB of shared memory), one stream per step 64.
         wide = n > 4
@@ -305,7 +298,8 @@ class PrepareConfig:
         block_c = max(16, min(16 if wide and not stream_steps else widest, next_power_of_2(C)))
         asked = dtype == torch.bfloat16 if self.logit_split is None else self.logit_split
         split = asked and logit_split_widths(n, True)[0] > 0
-        if not (device.type == "cuda" if cuda is None else cuda):
+        gpu = device.type == "cuda" if cuda is None else cuda
+        if not gpu:
             chosen = dict(block_t=16, block_c=block_c, num_warps=4, num_stages=None, slices=1)
         else:
             sms = persistent_programs(device, 1 << 30, per_sm=1)  # the multiprocessor count
@@ -318,16 +312,37 @@ class PrepareConfig:
             while self.block_t is None and block_t > 16 and cdiv(T, block_t) * slices < sms // 2:
                 block_t //= 2
             # fp32 / fp16 X: fn's tiles stay FP32 (no bf16 pieces), twice the bytes a stage: 3 stages need
-            # 336 KB (n = 4) / 280 KB (n = 8) of shared memory, sm_90 has 227 KB; 2 fit
-            # and a GPU with less than sm_90's shared memory (A100: 163 KB) takes 2 stages for every dtype
-            deep = dtype == torch.bfloat16 and (block_t >= 128 or wide) and _large_shared_memory(device)
+            # 336 KB (n = 4) / 280 KB (n = 8) of shared memory, sm_90 has 227 KB; 2 fit. A GPU with less shared
+            # memory (or whose builds take more, sm_100) falls back from there (fallbacks)
+            deep = dtype == torch.bfloat16 and (block_t >= 128 or wide)
             # the split's 2 programs per SM at 8 warps need <= 128 registers: its build takes 126 capped, 152
             # without (sm_90, triton 3.6: _await_mma's wait keeps acc live across the step's last MMA), no spills
             chosen = dict(block_t=block_t, block_c=block_c, num_warps=8 if block_t >= 128 else 4,
                           num_stages=3 if deep else 2, slices=slices, maxnreg=128 if per_sm == 2 else None)
         chosen["stream_steps"] = stream_steps
         # logit_split as it runs: asked for at n = 2 / 4 it has nothing to split
-        return replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None}, logit_split=split)
+        cfg = replace(self, **{k: v for k, v in chosen.items() if getattr(self, k) is None}, logit_split=split)
+        if not gpu or cfg.num_stages is None:  # the interpreter: nothing is built
+            return cfg
+        free = unset_fields(self) if free is None else free
+        return _fit(cfg, free, arch.target_of(device), build or _project_build, n, dtype)
+
+    def fallbacks(self, free: frozenset):
+        """This resolved config, then the same with fewer stages (down to 2), then with smaller tiles: columns per
+        chunk halved down to 16, then tokens per block (4 warps below 128), each from this config's stages
+        down again; only the fields named in ``free`` change. What ``arch.first_fit`` tries on a GPU whose shared
+        memory the build exceeds."""
+        def halvings(field, least):
+            value = getattr(self, field)
+            return [value >> k for k in range(value.bit_length()) if value >> k >= least] if field in free else [value]
+
+        stages = arch.fewer_stages(self.num_stages, 2) if "num_stages" in free else (self.num_stages,)
+        for block_t in halvings("block_t", 16):
+            warps = self.num_warps if "num_warps" not in free or block_t == self.block_t else \
+                (8 if block_t >= 128 else 4)
+            for block_c in halvings("block_c", 16):
+                for s in stages:
+                    yield replace(self, block_t=block_t, block_c=block_c, num_warps=warps, num_stages=s)
 
     @staticmethod
     def candidates(n: int = 4):
@@ -393,6 +408,50 @@ def _wide_candidates():
 LAYER_DEFAULTS = {8: dict(block_t=128, num_warps=8)}  # the stages: resolve's (3 for bf16 on sm_90)
 
 
+TILE_FIELDS = ("block_t", "block_c", "num_warps", "num_stages")
+
+
+@functools.lru_cache(maxsize=256)
+def unset_fields(config: Optional[PrepareConfig]) -> frozenset:
+    """The tile fields ``config`` leaves None (every one without a config): those ``resolve`` may fall back on when
+    the build does not fit the GPU. Defaults filled in before ``resolve`` (LAYER_DEFAULTS, the gated head's) stay
+    free."""
+    return frozenset(f for f in TILE_FIELDS if config is None or getattr(config, f) is None)
+
+
+def projection_options(cfg: PrepareConfig, n: int, dtype: torch.dtype, m_pad: int) -> dict:
+    """The projection kernels' constexprs and launch options at a resolved config (forward_prepare's
+    ``_project_kernel`` adds its logit split, ``_project_options``; the gated head's runs them as they are)."""
+    bf16 = dtype == torch.bfloat16
+    return dict(N=n, M_PAD=m_pad, BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, SPLIT_BF16=bf16, INTERPRET=interpreting(),
+                PRESPLIT=cfg.presplit and bf16, STREAM_STEPS=cfg.stream_steps,
+                # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight)
+                PRECISION="tf32x3" if dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, **pipeline_stages(cfg.num_stages), **register_cap(cfg.maxnreg))
+
+
+def projection_args(cfg: PrepareConfig, dtype: torch.dtype) -> tuple:
+    """A projection launch's arguments as ``arch.built_shared_memory`` takes them: X, fn (its bf16 pieces when
+    presplit), the partials; then T, C, columns per slice and the three strides (16-divisible stand-ins)."""
+    return (dtype, torch.bfloat16 if cfg.presplit and dtype == torch.bfloat16 else torch.float32,
+            torch.float32) + (4096,) * 6
+
+
+def _project_options(cfg: PrepareConfig, n: int, dtype: torch.dtype) -> dict:
+    return dict(projection_options(cfg, n, dtype, logits_pad(n)),
+                **dict(zip(("M_HI", "M_LO"), logit_split_widths(n, cfg.logit_split))))
+
+
+def _project_build(cfg: PrepareConfig, n: int, dtype: torch.dtype):
+    """forward_prepare's projection launch at ``cfg`` (what ``arch.first_fit`` builds)."""
+    return _project_kernel, projection_args(cfg, dtype), _project_options(cfg, n, dtype)
+
+
+@functools.lru_cache(maxsize=1024)  # resolve runs per call, on the host path
+def _fit(cfg: PrepareConfig, free: frozenset, target, build, n: int, dtype: torch.dtype) -> PrepareConfig:
+    return arch.first_fit(target, cfg.fallbacks(free), functools.partial(build, n=n, dtype=dtype))
+
+
 def layer_config(config: Optional[PrepareConfig], n: int, cuda: bool) -> PrepareConfig:
     """The config forward_prepare / forward_stats run for n streams: the caller's, or n's layer default on a GPU
     (the interpreter keeps resolve's small tiles)."""
@@ -419,7 +478,8 @@ def workspace_bytes(X: torch.Tensor, config: Optional[PrepareConfig] = None) -> 
     T, n, C = X.shape
     if T == 0:
         return 0
-    return layout_bytes(workspace_regions(T, n, C, X.dtype, layer_config(config, n, X.is_cuda).resolve(X)))
+    cfg = layer_config(config, n, X.is_cuda).resolve(X, free=unset_fields(config))
+    return layout_bytes(workspace_regions(T, n, C, X.dtype, cfg))
 
 
 def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Optional[PrepareConfig] = None) -> int:
@@ -430,11 +490,12 @@ def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Op
 
     if T == 0:
         return 0
-    base = layer_config(config, n, device.type == "cuda")
+    base, free = layer_config(config, n, device.type == "cuda"), unset_fields(config)
     block = 64 if n > 4 else 128
     candidates = {T} | {block * k for k in range(1, min(cdiv(T, block), 257))}
     # the dtypes resolve to different columns per chunk and (n = 8) programs per SM, so to different slices
-    parts = max((workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n, dtype=dtype))[0][0]
+    parts = max((workspace_regions(t, n, C, torch.float32, base.resolve_for(t, C, device, n=n, dtype=dtype,
+                                                                            free=free))[0][0]
                  for t in candidates if t <= T for dtype in (torch.bfloat16, torch.float16, torch.float32)),
                 key=math.prod)  # by elements: shapes compare lexicographically
     M = 2 * n + n * n
@@ -457,7 +518,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    cfg = layer_config(config, n, X.is_cuda).resolve(X)
+    cfg = layer_config(config, n, X.is_cuda).resolve(X, free=unset_fields(config))
     assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
     block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
     m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares
@@ -476,13 +537,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         fast(_split_fn_kernel)[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
     fast(_project_kernel)[(cdiv(T, block_t), part.shape[0])](
         X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
-        N=n, M_PAD=m_pad, BLOCK_T=block_t, BLOCK_C=block_c, SPLIT_BF16=X.dtype == torch.bfloat16,
-        INTERPRET=interpreting(), PRESPLIT=presplit, STREAM_STEPS=cfg.stream_steps,
-        **dict(zip(("M_HI", "M_LO"), logit_split_widths(n, cfg.logit_split))),
-        # fp32 X: three-pass TF32, near-fp32 projection (design.md §3's 1e-3 on records with one pass is tight).
-        PRECISION="tf32x3" if X.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, **pipeline_stages(cfg.num_stages),
-        **register_cap(cfg.maxnreg),
+        **_project_options(cfg, n, X.dtype),
     )
     fast(_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),

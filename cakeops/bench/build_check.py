@@ -1,17 +1,22 @@
 """``python -m cakeops.bench.build_check [--n 2,4,8] [--T 16384] [--C 4096] [--sm 90] [--config EXPR]``: compile
-every kernel the gated head's launchers launch, at the launch shapes they pick, for a GPU that is not there.
+every kernel the gated head's launchers launch (``--op mhc``: an mHC layer's), at the launch shapes they pick, for a
+GPU that is not there.
 
 No GPU needed (and none used): the launchers run on meta tensors with Triton's ``JITFunction.run`` replaced by a
 recorder; each recorded launch is bound exactly as Triton binds it (types, constexprs, alignment attributes,
 num_warps / num_stages / maxnreg) and compiled for ``GPUTarget("cuda", SM, 32)``. The multiprocessor count the
-launchers size their grids by is the H200's (132; ``--sms``). Per kernel it prints the shared memory the
-compiled kernel asks for (``metadata.shared``, checked against the limit of the target: 232448 bytes on sm_90,
-166912 on sm_80) and, from the bundled ptxas (``-v`` on the kernel's PTX), registers per thread, spill bytes
-and the programs per SM that registers / shared memory allow.
+launchers size their grids by is the H200's (132; ``--sms``). The launchers see the GPU as they would on it: they
+resolve their configs for that target (``cakeops._triton.arch``: its shared memory per block, ``arch.TARGETS``, and
+Triton's builds for it), so a config that does not fit there falls back as it would on the device. Per kernel it
+prints the shared memory the compiled kernel asks for (``metadata.shared``, checked against the target's limit:
+232448 bytes on sm_90 and sm_100, 166912 on sm_80, 101376 on sm_86 / 89 / 120) and, from the bundled ptxas (``-v``
+on the kernel's PTX), registers per thread, spill bytes and the programs per SM that registers / shared memory
+allow.
 
 Each build is also checked for a race of Triton's software pipeline (``pipeline_races``): a shared-memory buffer
 refilled by an asynchronous copy while a wgmma (sm_90's asynchronous MMA) that reads it may still be running;
-triton 3.6 built the bf16 projections so until 2026-12-03 (mhc_prepare._await_mma).
+triton 3.6 built the bf16 projections so until 2026-12-03 (mhc_prepare._await_mma). sm_80 / sm_120 have no
+asynchronous MMA (mma.sync); sm_100's (tcgen05) completion is tracked by barriers the check does not read.
 
 ``--config`` is a Python expression for the launchers' ``GatedHeadConfig`` (e.g.
 ``"GatedHeadConfig(dfn='separate')"``); ``--all-candidates`` checks the default and every candidate.
@@ -35,9 +40,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import List, Optional
 
-SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 REGS_PER_SM = 65536
-MAX_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048, 100: 2048}
+MAX_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048, 100: 2048, 120: 1536}
+
+
+def target(sm: int):
+    """The GPU build_check models for sm_``sm``: arch.TARGETS' (its shared memory per block); another sm is given
+    sm_90's limit."""
+    from .._triton import arch
+
+    return arch.TARGETS.get(sm, arch.Target(sm, arch.REFERENCE.shared_memory))
 
 
 @dataclass
@@ -58,7 +70,7 @@ class Built:
         threads = 32 * self.num_warps
         by_threads = MAX_THREADS_PER_SM.get(sm, 2048) // threads
         by_regs = REGS_PER_SM // (max(self.regs, 1) * threads) if self.regs else by_threads
-        limit = SMEM_LIMIT.get(sm, 232448)
+        limit = target(sm).shared_memory
         by_smem = (limit + 1024) // (self.shared + 1024) if self.shared else by_threads  # 1 KiB reserved per CTA
         return min(by_threads, by_regs, by_smem)
 
@@ -126,10 +138,11 @@ def _ptxas_usage(ptx: str, sm: int):
 
 
 @contextlib.contextmanager
-def _as_gpu(sms: int):
-    """Launchers on meta tensors size their grids for a GPU of ``sms`` multiprocessors and pick its configs."""
+def _as_gpu(sms: int, sm: int = 90):
+    """Launchers on meta tensors size their grids for a GPU of ``sms`` multiprocessors and pick its configs, for
+    sm_``sm`` (``target``) as they would on it."""
     import torch
-    from .._triton import launch, mhc_gated_head, mhc_prepare
+    from .._triton import arch, launch, mhc_gated_head, mhc_prepare
 
     def persistent_programs(device, work_items, per_sm=2):
         return max(1, min(work_items, sms * per_sm))
@@ -141,12 +154,13 @@ def _as_gpu(sms: int):
             mod.persistent_programs = persistent_programs
     resolve, layer_config = mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config
     head_projection = mhc_gated_head.projection_config
-    mhc_prepare.PrepareConfig.resolve = lambda self, X: self.resolve_for(
-        X.shape[0], X.shape[2], torch.device("meta"), True, n=X.shape[1], dtype=X.dtype)
+    mhc_prepare.PrepareConfig.resolve = lambda self, X, **kw: self.resolve_for(
+        X.shape[0], X.shape[2], torch.device("meta"), True, n=X.shape[1], dtype=X.dtype, **kw)
     mhc_prepare.layer_config = lambda config, n, cuda: layer_config(config, n, True)
     mhc_gated_head.projection_config = lambda cfg, n, C, dtype, cuda: head_projection(cfg, n, C, dtype, True)
     try:
-        yield
+        with arch.assume(target(sm)):
+            yield
     finally:
         mhc_prepare.PrepareConfig.resolve, mhc_prepare.layer_config = resolve, layer_config
         mhc_gated_head.projection_config = head_projection
@@ -191,18 +205,21 @@ def inductor_copy(fn):
 
 
 def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_scalars: bool = False,
-                     inductor_source: bool = False) -> List[Built]:
+                     inductor_source: bool = False, ptxas: bool = True) -> List[Built]:
     """Runs ``call`` (launchers on meta tensors) recording every Triton launch instead of running it, then
     compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given). ``inductor_scalars``:
     float arguments typed FP64, as Inductor's launcher types them in a traced launch (Triton's: FP32).
-    ``inductor_source``: each kernel compiled from Inductor's copy of its source (``inductor_copy``)."""
+    ``inductor_source``: each kernel compiled from Inductor's copy of its source (``inductor_copy``).
+    ``ptxas=False``: no registers / spills (ptxas on every build is most of the time of an sm_80 check)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.runtime.jit import JITFunction
 
-    target = GPUTarget("cuda", sm, 32)
-    backend = make_backend(target)
+    from .._triton.arch import bind
+
+    gpu = GPUTarget("cuda", sm, 32)
+    backend = make_backend(gpu)
     launches = []
     run = JITFunction.run
 
@@ -219,7 +236,7 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
     JITFunction.run = record
     FastKernel.run = triton_path
     try:
-        with _as_gpu(sms):
+        with _as_gpu(sms, sm):
             call()
     finally:
         JITFunction.run = run
@@ -228,9 +245,7 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
     for fn, args, kwargs, grid in launches:
         if kernels and fn.__name__ not in kernels:
             continue
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, _ = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, None)
+        signature, constexprs, attrs, options = bind(fn, backend, args, kwargs)
         if inductor_scalars:
             signature = {k: "fp64" if v == "fp32" else v for k, v in signature.items()}
         named = {fn.arg_names[k[0]]: v for k, v in constexprs.items() if len(k) == 1}
@@ -240,9 +255,9 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
             continue
         seen.add(key)
         source = inductor_copy(fn) if inductor_source else fn
-        compiled = triton.compile(ASTSource(source, signature, constexprs, attrs), target=target,
+        compiled = triton.compile(ASTSource(source, signature, constexprs, attrs), target=gpu,
                                   options=options.__dict__)
-        regs, spill = _ptxas_usage(compiled.asm["ptx"], sm)
+        regs, spill = _ptxas_usage(compiled.asm["ptx"], sm) if ptxas else (None, None)
         ttgir = compiled.asm.get("ttgir", "")
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
                            regs, spill, tuple(grid) if not callable(grid) else (),
@@ -311,6 +326,28 @@ def mhc_layer_launches(T: int, n: int, C: int, dtype, config=None, deterministic
     return call
 
 
+def norm_and_head_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
+    """A callable that runs the RMSNorm launchers at [T, C] (forward and backward, with and without the residual)
+    and the plain head's (the mean over n streams, its backward) on meta tensors: the kernels the other two
+    launch sets do not reach. ``config`` is not read (their defaults)."""
+    import torch
+    from .._triton import mhc_streams, rmsnorm
+
+    def call():
+        m = torch.device("meta")
+        x, w, rstd = torch.empty(T, C, dtype=dtype, device=m), torch.empty(C, dtype=dtype, device=m), \
+            torch.empty(T, device=m)
+        for residual in (None, torch.empty_like(x)):
+            h_out = None if residual is None else torch.empty_like(x)
+            rmsnorm.forward(x, w, 1e-6, torch.empty_like(x), rstd, residual, h_out)
+            rmsnorm.backward(torch.empty_like(x), x, w, rstd, torch.empty_like(x), torch.empty(C, device=m),
+                             residual, deterministic)
+        X = torch.empty(T, n, C, dtype=dtype, device=m)
+        mhc_streams.head_forward(X, torch.empty_like(x))
+        mhc_streams.head_backward(torch.empty_like(x), torch.empty_like(X), False)
+    return call
+
+
 def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, configs=(None,),
           deterministic: bool = True, out=print, kernels=None, launches=None, sha: bool = False) -> bool:
     """Compiles every launch of every (T, n, C) in ``shapes`` under every config; prints one line per kernel;
@@ -318,7 +355,7 @@ def check(shapes, dtype_name: str = "bfloat16", sm: int = 90, sms: int = 132, co
     import torch
 
     dtype = getattr(torch, dtype_name)
-    limit = SMEM_LIMIT.get(sm, 232448)
+    limit = target(sm).shared_memory
     ok = True
     for cfg in configs:
         if cfg is not None:
@@ -364,7 +401,9 @@ def main(argv=None) -> int:
     p.add_argument("--test-sizes", action="store_true",
                    help="also tests/test_mhc_gated_head.py::test_real_size_on_gpu's sizes (T=4096, C=8192/n)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--sm", type=int, default=90)
+    p.add_argument("--sm", type=int, default=90,
+                   help="the GPU to build for (80, 86, 89, 90, 100, 120: cakeops._triton.arch.TARGETS' shared memory; "
+                        "the launchers resolve their configs for it as on the device)")
     p.add_argument("--sms", type=int, default=132, help="multiprocessors the grids are sized for (H200: 132)")
     p.add_argument("--config", default=None,
                    help="a GatedHeadConfig(...) expression; with --op mhc a PrepareConfig, BackwardPrepareConfig or "
