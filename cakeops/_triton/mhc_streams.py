@@ -30,19 +30,6 @@ def _token_and_columns(c_blocks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _mix_streams(X, stride_xi, b, s_row, c, c_ok, N: tl.constexpr):
-    """One token's forward_finish over a C block: y[j, c] = post_j * b[c] + sum_i comb[i, j] * X[i, c], FP32,
-    streams in order; X at the token's row, b the branch output in FP32, s_row the token's record. Shared by the
-    finish and rebuild kernels: one arithmetic, so the rebuilt streams are the forward's bits."""
-    j = tl.arange(0, N)
-    y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
-    for i in tl.static_range(N):
-        x = tl.load(X + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-        y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x[None, :]
-    return y
-
-
-@triton.jit
 def _finish_kernel(
     X, B, STATS, Y, C, stride_xt, stride_xi, stride_bt, stride_yt, stride_yi, c_blocks,
     N: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -51,19 +38,14 @@ def _finish_kernel(
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     j = tl.arange(0, N)
+    s_row = STATS + t * STATS_WIDTH(N)
     b = tl.load(B + t * stride_bt + c, mask=c_ok, other=0.0).to(tl.float32)
-    y = _mix_streams(X + t * stride_xt, stride_xi, b, STATS + t * STATS_WIDTH(N), c, c_ok, N)
+    y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
+    for i in tl.static_range(N):
+        x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
+        y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x[None, :]
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], y.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
-
-
-@triton.jit
-def _rebuild_layer(X, stride_xi, B0, B_PTRS, B_STRIDES, S_PTRS, layer, t, c, c_ok, N: tl.constexpr):
-    """Layer ``layer`` of a rebuild: its branch output and record found in the table, then _mix_streams."""
-    b_at = tl.load(B_PTRS + layer).to(tl.pointer_type(B0.dtype.element_ty))
-    s_row = tl.load(S_PTRS + layer).to(tl.pointer_type(tl.float32)) + t * STATS_WIDTH(N)
-    b = tl.load(b_at + t * tl.load(B_STRIDES + layer) + c, mask=c_ok, other=0.0).to(tl.float32)
-    return _mix_streams(X, stride_xi, b, s_row, c, c_ok, N)
 
 
 @triton.jit
@@ -72,22 +54,26 @@ def _rebuild_kernel(
     N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (token, C block) of K forward_finishes in a row from X0 (stream recompute): layer l's branch output
-    and record at the addresses B_PTRS[l] (row stride B_STRIDES[l], B0's dtype) and S_PTRS[l]. Each layer is
-    _finish_kernel's arithmetic, its streams stored rounded into the program's block of Y and read back by the
-    next layer (from L1 / L2: Y's block is the program's own), so the result is bitwise the K-th finish's output.
-    Barriers order the threads' reads of a layer's streams before their overwrite, and the writes before the next
-    layer's reads."""
+    and record at the addresses B_PTRS[l] (row stride B_STRIDES[l], B0's dtype) and S_PTRS[l]. Each layer's
+    arithmetic is _finish_kernel's, in its order, and its streams are rounded as finish stores them, so the
+    result is bitwise the K-th finish's output. A stream row comes out of the register tile by a sum with -0.0
+    elsewhere: x + (-0.0) is x for every x, so the row is exact."""
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     j = tl.arange(0, N)
-    out = Y + t * stride_yt + j[:, None] * stride_yi + c[None, :]
-    y = _rebuild_layer(X0 + t * stride_xt, stride_xi, B0, B_PTRS, B_STRIDES, S_PTRS, 0, t, c, c_ok, N)
-    tl.store(out, y.to(Y.dtype.element_ty), mask=c_ok[None, :])
-    for layer in range(1, K):
-        tl.debug_barrier()
-        y = _rebuild_layer(Y + t * stride_yt, stride_yi, B0, B_PTRS, B_STRIDES, S_PTRS, layer, t, c, c_ok, N)
-        tl.debug_barrier()
-        tl.store(out, y.to(Y.dtype.element_ty), mask=c_ok[None, :])
+    x = tl.load(X0 + t * stride_xt + j[:, None] * stride_xi + c[None, :], mask=c_ok[None, :], other=0.0)
+    x = x.to(tl.float32)
+    for layer in range(K):
+        b_at = tl.load(B_PTRS + layer).to(tl.pointer_type(B0.dtype.element_ty))
+        s_row = tl.load(S_PTRS + layer).to(tl.pointer_type(tl.float32)) + t * STATS_WIDTH(N)
+        b = tl.load(b_at + t * tl.load(B_STRIDES + layer) + c, mask=c_ok, other=0.0).to(tl.float32)
+        y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
+        for i in tl.static_range(N):
+            x_i = tl.sum(tl.where(j[:, None] == i, x, -0.0), axis=0)
+            y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x_i[None, :]
+        x = y.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
+             mask=c_ok[None, :])
 
 
 @triton.jit
@@ -171,8 +157,8 @@ def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RebuildConfig:
-    """Launch shape of the rebuild kernel: ``elements`` stream values (n * BLOCK_C) per program; ``warps`` None: a
-    warp per 256 columns, at most 8."""
+    """Launch shape of the rebuild kernel: ``elements`` stream values (n * BLOCK_C) per program, held in registers
+    through every layer; ``warps`` None: a warp per 256 columns, at most 8."""
     elements: int = 8192
     warps: Optional[int] = None
 
