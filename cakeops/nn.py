@@ -227,7 +227,7 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     bit-identical to the forward, so gradients are bitwise those without it. Each layer still keeps its branch
     output and its per-token record. Returns ``module``.
 
-    ``group_size``: an int >= 1; None takes 2n layers (8 at n = 4; at most the L layers found: DeepSeek's Eq. 20
+    ``group_size``: an int >= 1; None takes n layers (4 at n = 4; at most the L layers found: DeepSeek's Eq. 20
     balances a group rebuilt all at once, cakeops rebuilds one layer at a time, see design.md §6); 1 turns recompute
     off again (every layer keeps its own streams). Shown in each layer's repr.
 
@@ -241,14 +241,14 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
 
     >>> blocks = torch.nn.Sequential(*(MHC(torch.nn.Linear(32, 32), 32) for _ in range(12)))
     >>> recompute_mhc(blocks)[0].recompute_group
-    8
+    4
     """
     from . import _recompute
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module holding cakeops.nn.MHC layers, got {type(module).__name__}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
-        raise TypeError(f"group_size: expected an int >= 1 or None (the default, 2n layers), got "
+        raise TypeError(f"group_size: expected an int >= 1 or None (the default, n layers), got "
                         f"{type(group_size).__name__}")
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size: expected an int >= 1 (1 turns recompute off) or None, got {group_size}")

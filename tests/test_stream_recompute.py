@@ -42,7 +42,7 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("group_size", [2, 3, None])  # None: one group of all 5
+@pytest.mark.parametrize("group_size", [2, 3, None])  # None: n (at most the 5 layers)
 def test_gradients_bitwise(backend, n, group_size, monkeypatch):
     """5 layers in groups of 2 / 3 / the default: outputs and every gradient (streams' input, mappings, branches)
     bitwise equal to the same model without recompute, random upstream gradient; the followers' streams were
@@ -163,10 +163,11 @@ def test_turn_off_repr_copies():
     model = _stack(4, 16, 6)
     assert cnn.recompute_mhc(model) is model
     layer = model[1]
-    assert layer.recompute_group == 6 and "recompute_group=6" in repr(layer)  # 2n = 8, at most the 6 layers
-    assert cnn.recompute_mhc(_stack(2, 16, 6))[1].recompute_group == 4  # 2n
+    assert layer.recompute_group == 4 and "recompute_group=4" in repr(layer)  # n
+    assert cnn.recompute_mhc(_stack(2, 16, 6))[1].recompute_group == 2
+    assert cnn.recompute_mhc(_stack(8, 16, 6))[1].recompute_group == 6  # n = 8, at most the 6 layers
     clone = copy.deepcopy(model)
-    assert clone[1].recompute_group == 6 and clone[1]._recompute is clone[2]._recompute
+    assert clone[1].recompute_group == 4 and clone[1]._recompute is clone[2]._recompute
     cnn.recompute_mhc(model, group_size=1)
     assert layer.recompute_group == 1 and "recompute" not in repr(layer)
     out = model(torch.randn(3, 16, device=DEVICE))
@@ -284,7 +285,7 @@ def test_activation_memory_ratio():
              for v in ("plain", "cakeops", "cakeops-recompute")}
     ratio = {v: peaks[v] / peaks["plain"] for v in peaks}
     assert 1.45 < ratio["cakeops"] < 1.7, ratio  # the streams kept: what recompute is for
-    assert ratio["cakeops-recompute"] <= 1.3, ratio
+    assert ratio["cakeops-recompute"] <= 1.32, ratio
 
 
 def _distributed_worker(rank, init_file, parallel):
