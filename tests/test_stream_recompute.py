@@ -354,3 +354,19 @@ def test_two_processes_bitwise(parallel):
     from cakeops.testing import spawn_ranks
 
     spawn_ranks(_distributed_worker, 2, parallel)
+
+
+def test_rebuild_chained_in_place_when_the_kernel_cannot_run(triton_kernels):
+    """Branch outputs of two dtypes (an autocast branch beside a plain one): the finishes chained in one buffer, in
+    place, bitwise the chained finishes out of place (on a GPU the same path serves CUDA-graph capture)."""
+    from cakeops._ops import mhc as ops
+    from cakeops.meta import mhc_layout as layout
+
+    T, n, C = 4, 4, 96
+    X0 = torch.randn(T, n, C, device=DEVICE)
+    links = [(torch.randn(T, C, device=DEVICE).to(dtype), torch.randn(T, layout.stats_width(n), device=DEVICE))
+             for dtype in (torch.float32, torch.bfloat16, torch.float32)]
+    chained = X0
+    for B, stats in links:
+        chained = ops.finish_impl(chained, B, stats)
+    assert torch.equal(ops.rebuild_impl(X0, links).view(torch.int8), chained.view(torch.int8))
