@@ -52,7 +52,7 @@ def _backward_need(X: Tensor, sinkhorn_iters: int, deterministic: bool):
 
 
 # ---------------------------------------------------------------------------------------------
-# Workspaces and support queries
+# Workspace sizes and helpers
 # ---------------------------------------------------------------------------------------------
 
 def _size_args(T, device, hidden) -> torch.device:
@@ -139,6 +139,9 @@ def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sin
                        dtype=torch.uint8, device=device)
 
 
+# ---------------------------------------------------------------------------------------------
+# Support queries
+# ---------------------------------------------------------------------------------------------
 
 def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
     """True where the layer ops run on ``device``: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
