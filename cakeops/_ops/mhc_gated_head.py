@@ -1,6 +1,6 @@
 """The gated head's custom ops (``torch.ops.cakeops.mhc_gated_head_fwd`` / ``_bwd``): device kernels (Triton on
 CUDA or under the interpreter, the reference math on CPU), fakes, and one backward formula that the eager
-autograd.Function (cake_mhc_train.py) and ``register_autograd`` share."""
+autograd.Function (_mhc/gated_head.py) and ``register_autograd`` share."""
 from typing import Optional, Tuple
 
 import torch
