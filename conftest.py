@@ -94,12 +94,19 @@ def pytest_runtest_makereport(item, call):
                                                 "tests that seed explicitly name their seed in the code)"))
 
 
-# The longest tests on a 2-core CPU (cold caches, --durations), longest first. Under pytest -n, xdist hands tests
-# out in collection order, so these start at once, beside the rest, instead of becoming the tail of a worker's
-# queue. The order of the others is kept.
+# The longest tests on a 2-core CPU (cold caches), longest first. Under pytest -n, xdist hands tests out in
+# collection order, so these start at once, beside the rest, instead of becoming the tail of a worker's queue; its
+# first deal is two tests per worker, so the second longest goes third (to the other worker). The order of the
+# others is kept.
 LONG_FIRST = (
     "compile_tests/test_deep_model.py::test_sixteen_block_model_compiles_and_matches_eager",
+    "tests/test_build_races.py::test_no_kernel_refills_a_buffer_an_asynchronous_mma_reads",
     "compile_tests/test_inductor_kernels.py::test_kernels_build_as_inductor_copies_and_launches_them",
+    "compile_tests/test_deep_model.py::test_bf16_compiled_gradients_as_close_to_float32_as_eager",
+    "compile_tests/test_inductor_kernels.py::test_inductor_hands_traced_kernels_whole_buffers",
+    "tests/test_distributed.py::test_two_processes_train_like_one",
+    "compile_tests/test_mhc_transformer.py::test_inductor_training_step_close_to_eager",
+    "tests/test_distributed.py::test_readme_torchrun_command_trains",
 )
 
 
