@@ -116,7 +116,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    # pytest -n: xdist deals the tests out two at a time as workers free up (unless --maxschedchunk says otherwise),
-    # not a quarter of each worker's share in one piece, which would put every test of LONG_FIRST on one worker
+    # pytest -n: xdist keeps two tests queued per worker and deals out the rest one at a time as workers free up
+    # (unless --maxschedchunk says otherwise), not a quarter of each worker's share in one piece, which would put
+    # every test of LONG_FIRST on one worker
     if config.getoption("dist", "no") == "load" and config.getoption("maxschedchunk", 0) is None:
         config.option.maxschedchunk = 1
