@@ -8,6 +8,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: the N workers share the machine's cores. Each takes its share for torch's threads, and so do
+    # the processes the tests start (the environment) and Inductor's C++ compiles (one at a time, in the worker)
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _threads = str(max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        os.environ.setdefault(_var, _threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 import pytest  # noqa: E402
 
 
@@ -128,3 +137,33 @@ def assert_written_in_view(backing: torch.Tensor, before: torch.Tensor, view: to
     expected = before.clone()
     expected.as_strided(view.shape, view.stride(), view.storage_offset() - backing.storage_offset()).copy_(want)
     assert torch.equal(backing, expected), "the call wrote outside the buffer's view, or wrote other values into it"
+
+
+# The longest tests on a 2-core CPU (cold caches), longest first. Under pytest -n, xdist hands tests out in
+# collection order, so these start at once, beside the rest, instead of becoming the tail of a worker's queue; its
+# first deal is two tests per worker, so the second longest goes third (to the other worker). The order of the
+# others is kept.
+LONG_FIRST = (
+    "compile_tests/test_deep_model.py::test_sixteen_block_model_compiles_and_matches_eager",
+    "tests/test_build_races.py::test_no_kernel_refills_a_buffer_an_asynchronous_mma_reads",
+    "compile_tests/test_inductor_kernels.py::test_kernels_build_as_inductor_copies_and_launches_them",
+    "tests/test_arch_builds.py::test_a_launcher_traced_by_torch_compile_measures_the_same_build",
+    "compile_tests/test_deep_model.py::test_bf16_compiled_gradients_as_close_to_float32_as_eager",
+    "compile_tests/test_inductor_kernels.py::test_inductor_hands_traced_kernels_whole_buffers",
+    "tests/test_distributed.py::test_two_processes_train_like_one",
+    "compile_tests/test_mhc_transformer.py::test_inductor_training_step_close_to_eager",
+    "tests/test_distributed.py::test_readme_torchrun_command_trains",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {nodeid: i for i, nodeid in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("[")[0], len(first)))
+
+
+def pytest_configure(config):
+    # pytest -n: xdist keeps two tests queued per worker and deals out the rest one at a time as workers free up
+    # (unless --maxschedchunk says otherwise), not a quarter of each worker's share in one piece, which would put
+    # every test of LONG_FIRST on one worker
+    if config.getoption("dist", "no") == "load" and config.getoption("maxschedchunk", 0) is None:
+        config.option.maxschedchunk = 1

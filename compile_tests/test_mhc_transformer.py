@@ -15,9 +15,9 @@ from graph_tools import aot_graph_codes, counting_aot_eager
 VOCAB, DIM = 48, 32
 
 
-def _model(seed=0, **kw):
+def _model(seed=0, layers=2, **kw):
     torch.manual_seed(seed)
-    return TinyLM(VOCAB, DIM, layers=2, heads=4, **kw).to(DEVICE)
+    return TinyLM(VOCAB, DIM, layers=layers, heads=4, **kw).to(DEVICE)
 
 
 def _tokens(batch, length, seed):
@@ -141,7 +141,9 @@ def test_compiled_autograd_gives_eager_gradients(forward):
     from cakeops._ops import inductor
 
     torch._dynamo.reset()
-    model = _model(seed=8)
+    # one block (two mHC layers and the head): compiled autograd's Dynamo traces the eager path's backward node by
+    # node with symbolic sizes, ~3x as long at two blocks
+    model = _model(seed=8, layers=1)
     tokens = _tokens(2, 9, 8)
     reference = _loss_and_grads(model.loss, model, tokens)
     graphs = []
@@ -162,4 +164,4 @@ def test_compiled_autograd_gives_eager_gradients(forward):
     assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
     traced_backward = ON_GPU and inductor._TRACE != "none"
     if forward == "compiled" or (forward == "compiled_before" and not traced_backward):
-        assert len(graphs) == 1 and _cakeops_ops(graphs[0]).count("mhc_backward_finish") == 4
+        assert len(graphs) == 1 and _cakeops_ops(graphs[0]).count("mhc_backward_finish") == 2

@@ -57,9 +57,25 @@ _SCRIPT = """
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """The builds of every arch, two subprocesses side by side (a cold Triton cache: ~3 minutes on 2 cores)."""
+    """The builds of every arch, made once per test session: under pytest-xdist the first worker to need them
+    makes them while the other waits on a lock, then reads its file (each worker would otherwise build them all)."""
     if not HAS_PTXAS:
         pytest.skip("triton without its NVIDIA backend (no CUDA builds)")
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _make_builds(tmp_path_factory)
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's folder, above each worker's own
+    with open(shared / "arch_builds.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = shared / "arch_builds.json"
+        if not made.exists():
+            made.write_text(json.dumps(_make_builds(tmp_path_factory)))
+        return json.loads(made.read_text())
+
+
+def _make_builds(tmp_path_factory):
+    """The builds of every arch, two subprocesses side by side (a cold Triton cache: ~3 minutes on 2 cores)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     folder = tmp_path_factory.mktemp("arch")
