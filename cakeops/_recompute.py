@@ -58,7 +58,7 @@ class StreamGroup:
         self.X0 = X0
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
         self.rebuilt = {}
-        self.prepared = {}  # the rebuild kernel's table of the group's layers, made at the first rebuild
+        self.table = None  # the rebuild kernel's table of the group's layers, made at the first rebuild
 
     def streams(self, k: int) -> Tensor:
         if k not in self.rebuilt:
@@ -69,19 +69,18 @@ class StreamGroup:
                     "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             from ._ops import mhc as ops
 
-            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k], self.prepared)
+            if self.table is None or self.table.shape[1] < k:
+                self.table = ops.rebuild_table(self.X0, self.links[:k])
+            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k], self.table)
         return self.rebuilt[k]
 
     def release(self, k: int) -> None:
         """Layer k's backward is done: its rebuilt streams, B and record go; after the first layer's, X0."""
         self.rebuilt.pop(k, None)
         if k < len(self.links):
-            self.links[k] = None
-            for tensors in (self.prepared.get("Bs"), self.prepared.get("stats")):
-                if tensors is not None and k < len(tensors):
-                    tensors[k] = None  # no later rebuild reads layer k's columns: only earlier layers' streams remain
+            self.links[k] = None  # no later rebuild reads layer k's column of the table: earlier layers' remain
         if k == 0:
-            self.X0, self.prepared = None, {}
+            self.X0, self.table = None, None
 
 
 class StreamLink:
@@ -99,7 +98,9 @@ class StreamLink:
 
     def finished(self, B: Tensor, stats: Tensor) -> None:
         """The layer's forward_finish ran on (B, stats): the next layer's input is one more finish."""
-        self.group.links.append((B, stats))
+        from ._ops import mhc as ops
+
+        self.group.links.append(ops.rebuild_link(B, stats))
 
     def release(self) -> None:
         self.group.release(self.k)

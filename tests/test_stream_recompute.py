@@ -100,7 +100,7 @@ def test_language_model_trains_the_same(backend):
 
 def test_groups_follow_the_chain():
     """Groups of 3 over 5 layers: [0 1 2] [3 4]; an op on the streams between two layers starts a new group;
-    under checkpoint or no_grad the layers keep their streams; gradients stay bitwise equal in every case."""
+    under checkpoint or no_grad the layers keep their streams (gradients: the bitwise tests around)."""
     from cakeops import _recompute
 
     C = 16
@@ -117,14 +117,16 @@ def test_groups_follow_the_chain():
     h = torch.randn(4, C, device=DEVICE, requires_grad=True)
     try:
         _recompute.RecomputePlan.enter = spy
-        model(h).sum().backward()
+        out = model(h)
+        out.backward(torch.randn_like(out))
         assert seen == [0, 1, 2, 0, 1]
         seen.clear()
         X = model[0](h)
         X = layers[0](X)
         X = layers[1](X * 1.0)  # not the previous layer's output: a new group
         X = layers[2](X)
-        torch.utils.checkpoint.checkpoint(layers[3], X, use_reentrant=False).sum().backward()
+        out = torch.utils.checkpoint.checkpoint(layers[3], X, use_reentrant=False)
+        out.backward(torch.randn_like(out))
         assert seen[:3] == [0, 0, 1] and seen[3:] == [None, None]  # checkpointed: once in forward, once replayed
         seen.clear()
         with torch.no_grad():
@@ -155,9 +157,10 @@ def test_checkpointed_blocks_bitwise(backend):
 def test_retain_graph_second_backward_raises():
     model = cnn.recompute_mhc(_stack(4, 16, 3), 3)
     out = model(torch.randn(3, 16, device=DEVICE, requires_grad=True))
-    out.sum().backward(retain_graph=True)
+    dY = torch.randn_like(out)
+    out.backward(dY, retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph=True.*group_size=1"):
-        out.sum().backward()
+        out.backward(dY)
 
 
 def test_turn_off_repr_copies():
@@ -285,8 +288,8 @@ def test_activation_memory_ratio():
     peaks = {v: _activation_peak(build(cfg, v, "cpu", torch.float32), tokens)
              for v in ("plain", "cakeops", "cakeops-recompute")}
     ratio = {v: peaks[v] / peaks["plain"] for v in peaks}
-    assert 1.45 < ratio["cakeops"] < 1.7, ratio  # the streams kept: what recompute is for
-    assert ratio["cakeops-recompute"] <= 1.32, ratio
+    assert ratio["cakeops"] > 1.45, ratio  # the streams kept: what recompute is for
+    assert ratio["cakeops-recompute"] <= 1.32 and ratio["cakeops"] - ratio["cakeops-recompute"] >= 0.2, ratio
 
 
 def _distributed_worker(rank, init_file, scenarios):

@@ -46,8 +46,14 @@ class _LayerState:
         """X is not kept: the backward rebuilds it from the group's first input (stream recompute)."""
         return self.link is not None and self.link.rebuilds
 
+    def save(self, ctx, X: Tensor, *tensors: Tensor, stats: Tensor) -> None:
+        """A node's ``save_for_backward``: X unless the layer rebuilds it, ``tensors``, and the record where it is
+        kept (``save_stats``, or a rebuilt X: the rebuild of the next layers reads its bits)."""
+        kept = (stats,) if self.save_stats or self.rebuilds_X else ()
+        ctx.save_for_backward(*(() if self.rebuilds_X else (X,)), *tensors, *kept)
+
     def saved_X(self, ctx):
-        """(X, the other saved tensors) of a node that saved X first unless the layer rebuilds it."""
+        """(X, the other saved tensors) of a node saved by ``save``."""
         saved = ctx.saved_tensors
         if self.rebuilds_X:
             return self.link.streams(), saved
@@ -84,8 +90,7 @@ class CakeMHCTrainPrepareFunction(EagerFunction):
         U, stats = ops.prepare_impl(X, fn, scale, base, *state.hparams, workspace=state.workspace)
         state.stats = stats
         ctx.state = state
-        kept = (stats,) if state.save_stats or state.rebuilds_X else ()  # a rebuilt X needs the record's bits
-        ctx.save_for_backward(*(() if state.rebuilds_X else (X,)), fn, scale, base, *kept)
+        state.save(ctx, X, fn, scale, base, stats=stats)
         ctx.set_materialize_grads(False)
         return (U,) + fake.edges(X)
 
@@ -119,8 +124,7 @@ class CakeMHCTrainFinishFunction(EagerFunction):
         stats = state.stats
         Y = ops.finish_impl(X, B, stats)  # in X's shape, leading dims and all: Y itself, never a view
         ctx.state = state
-        kept = (stats,) if state.save_stats or state.rebuilds_X else ()
-        ctx.save_for_backward(*(() if state.rebuilds_X else (X,)), B, *kept)
+        state.save(ctx, X, B, stats=stats)
         if state.link is not None:
             state.link.finished(B, stats)
         state.stats = None  # the record lives on only where it was saved

@@ -118,31 +118,45 @@ def finish_impl(X: Tensor, B: Tensor, stats: Tensor, Y: Optional[Tensor] = None)
     return unflat(Y3, X.shape) if Y is None else Y
 
 
-def rebuild_impl(X0: Tensor, links, prepared: Optional[dict] = None) -> Tensor:
+def rebuild_link(B: Tensor, stats: Tensor) -> Tuple[Tensor, Tensor]:
+    """One layer's (B, stats) as a rebuild reads them, [T, C] with unit stride along C and the record rows unit
+    stride: the tensors forward_finish read (kept by the stream-recompute group, so that a rebuild table's addresses
+    stay valid)."""
+    return unit_last(flat(B, 2)), unit_last(stats)
+
+
+def _kernel_rebuilds(X0: Tensor, links) -> bool:
+    """The Triton rebuild kernel can run: Triton's device, one branch dtype, no CUDA graph being captured (its
+    table of addresses is a host-to-device copy)."""
+    return (_backend.use_triton(X0) and len({B.dtype for B, _ in links}) == 1
+            and not (X0.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def rebuild_table(X0: Tensor, links) -> Optional[Tensor]:
+    """The rebuild kernel's table of the layers ``links`` (from ``rebuild_link``), whose first k columns serve a
+    rebuild through k of them; None where the kernel does not run."""
+    if not links or not _kernel_rebuilds(X0, links):
+        return None
+    from .._triton import mhc_forward as kernels
+    return kernels.rebuild_table([B for B, _ in links], [stats for _, stats in links], X0.device)
+
+
+def rebuild_impl(X0: Tensor, links, table: Optional[Tensor] = None) -> Tensor:
     """The streams after the forward_finishes of X0 [T, n, C] with ``links`` [(B, stats), ...] in order (stream
     recompute, _recompute.py): bitwise the forward's. One pass of the Triton rebuild kernel where it can run
-    (one branch dtype; not while a CUDA graph is being captured), else the finishes chained in one buffer (the
-    finish kernel reads a token's streams before it writes them: in place is exact). ``prepared``: a dict the
-    caller keeps per group, where the kernel's table of the layers' addresses is made once for the longest
-    ``links`` asked (with the tensors it points into) and serves every shorter one."""
+    (``table``: ``rebuild_table`` of these layers or of a longer run starting with them, else made here), else the
+    finishes chained in one buffer (the finish kernel reads a token's streams before it writes them: in place is
+    exact)."""
     X0 = unit_last(X0)
-    k = len(links)
-    if prepared is None or prepared.get("k", -1) < k:
-        Bs = [unit_last(flat(B, 2)) for B, _ in links]
-        prepared = {} if prepared is None else prepared
-        prepared.update(k=k, Bs=Bs, stats=[unit_last(stats) for _, stats in links], table=None)
-    Bs, stats_list = prepared["Bs"][:k], prepared["stats"][:k]
-    if (_backend.use_triton(X0) and len({B.dtype for B in Bs}) == 1
-            and not (X0.is_cuda and torch.cuda.is_current_stream_capturing())):
+    links = [rebuild_link(B, stats) for B, stats in links]
+    if _kernel_rebuilds(X0, links):
         from .._triton import mhc_forward as kernels
         Y = torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)
         with _backend.kernel_device(X0):
-            if prepared["table"] is None:
-                prepared["table"] = kernels.rebuild_table(prepared["Bs"], prepared["stats"], X0.device)
-            kernels.rebuild(X0, Bs, stats_list, Y, prepared["table"])
+            kernels.rebuild(X0, [B for B, _ in links], [stats for _, stats in links], Y, table)
         return Y
     Y = None
-    for B, stats in zip(Bs, stats_list):
+    for B, stats in links:
         Y = finish_impl(X0 if Y is None else Y, B, stats, Y=Y)
     return Y
 
