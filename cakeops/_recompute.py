@@ -18,6 +18,7 @@ time, not all of them (DeepSeek's Eq. 20 assumes the latter), and a larger group
 and raises, naming the way out.
 """
 import math
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -144,3 +145,47 @@ class RecomputePlan:
 
     def __setstate__(self, state):
         self.__init__(state["group_size"])
+
+
+class OpChain:
+    """The groups of the custom-op path (torch.compile, dispatch modes; _ops/mhc_recompute.py), formed where the
+    finish ops' autograd is set up: in forward order, once per trace (AOTAutograd's, under torch.compile) or per
+    eager call. A layer joins the open group when its X is the very tensor object the group's last layer returned,
+    unmodified since (a traced graph is functional: any op between two layers gives a new object, so only a direct
+    chain joins, and a rebuild reads exactly the tensors the forward's finishes read). Held weakly: a group's
+    tensors live where its layers saved them."""
+
+    def __init__(self):
+        self._last = None  # (weakref to the last layer's output, its version)
+        self._X0 = None
+        self._links: List[Tuple["weakref.ref", "weakref.ref"]] = []
+
+    def enter(self, X: Tensor, group_size: int) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]]]]:
+        """(X0, the earlier layers' (B, stats)) for a layer that joins the open group, or None for one that starts
+        a group (it keeps X). Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and closes
+        the group, as on the eager path."""
+        last, self._last = self._last, None
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+            self.close()
+            return None
+        joined = (last is not None and last[0]() is X and last[1] == X._version and len(self._links) < group_size)
+        if joined:
+            X0 = self._X0()
+            links = [(B(), stats()) for B, stats in self._links]
+            if X0 is not None and all(B is not None and s is not None for B, s in links):
+                return X0, links
+        self._X0, self._links = weakref.ref(X), []
+        return None
+
+    def leave(self, Y: Tensor, B: Tensor, stats: Tensor) -> None:
+        """The layer's finish returned Y from (B, stats): the next layer of the group must take Y itself."""
+        if self._X0 is None:
+            return
+        self._links.append((weakref.ref(B), weakref.ref(stats)))
+        self._last = (weakref.ref(Y), Y._version)
+
+    def close(self) -> None:
+        self._last, self._X0, self._links = None, None, []
+
+
+op_chain = OpChain()

@@ -1,13 +1,20 @@
-"""Stream recompute beside torch.compile: a compiled model with recompute_mhc traces whole and keeps its streams
-(the same gradients as compiled without it); compiled branches inside eager MHC layers keep the recompute."""
+"""Stream recompute under torch.compile: compiled models with recompute_mhc keep only their groups' first inputs,
+rebuild the other layers' streams in the backward graph (``cakeops::mhc_rebuild``), and give the gradients of the
+same model compiled without it, bit for bit; compiled branches inside eager MHC layers keep the eager recompute.
+The ops' own groups (_ops/mhc_recompute.py) also serve eager calls under a dispatch mode."""
 import copy
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cakeops import _recompute
 from cakeops import nn as cnn
+from cakeops._ops import mhc_recompute
 from cakeops.tiny_lm import TinyLM
+from conftest import DEVICE
 
 
 def _grads(model, tokens, loss_fn=None):
@@ -18,40 +25,209 @@ def _grads(model, tokens, loss_fn=None):
 
 
 def _assert_bitwise(a, b):
+    assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"tensor {i} differs"
 
 
 @pytest.fixture
-def rebuilds(monkeypatch):
+def eager_rebuilds(monkeypatch):
     asked = []
     original = _recompute.StreamGroup.streams
     monkeypatch.setattr(_recompute.StreamGroup, "streams", lambda g, k: asked.append(k) or original(g, k))
     return asked
 
 
-def _models():
+def _models(layers=2, dim=32):
     torch.manual_seed(3)
-    plain = TinyLM(vocab=30, dim=32, layers=2, heads=2, max_len=16)
+    plain = TinyLM(vocab=30, dim=dim, layers=layers, heads=2, max_len=16).to(DEVICE)
     return plain, cnn.recompute_mhc(copy.deepcopy(plain))
 
 
-def test_compiled_model_with_recompute_traces_and_keeps_its_streams(rebuilds):
-    plain, rc = _models()
-    tokens = torch.randint(0, 30, (2, 9))
-    want = _grads(plain, tokens, torch.compile(plain.loss, fullgraph=True, backend="aot_eager"))
-    got = _grads(rc, tokens, torch.compile(rc.loss, fullgraph=True, backend="aot_eager"))
+class _Graphs:
+    """An aot_autograd backend with Inductor's partitioner (min-cut) that keeps the forward and backward graphs."""
+
+    def __init__(self):
+        self.forward = self.backward = None
+        self.backend = aot_autograd(fw_compiler=self._keep("forward"), bw_compiler=self._keep("backward"),
+                                    partition_fn=min_cut_rematerialization_partition)
+
+    def _keep(self, name):
+        def compiler(gm, example_inputs):
+            setattr(self, name, gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def saved(self):
+        """The forward graph's saved tensors (its outputs after the loss), one entry per storage: name -> fake."""
+        out = next(n for n in self.forward.graph.nodes if n.op == "output").args[0]
+        return {id(a.meta["val"].untyped_storage()): a.meta["val"] for a in out[1:]
+                if isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor)}
+
+    def rebuilds(self, graph):
+        """The number of earlier layers each mhc_rebuild in ``graph`` finishes through."""
+        return sorted(len(n.args[1]) for n in graph.graph.nodes if n.target is torch.ops.cakeops.mhc_rebuild.default)
+
+
+def _compiled_grads(model, tokens):
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    return _grads(model, tokens, torch.compile(model.loss, fullgraph=True, backend=graphs.backend)), graphs
+
+
+def test_compiled_model_keeps_only_group_inputs_and_rebuilds_in_the_backward():
+    plain, rc = _models(layers=4)  # 8 mHC layers: two groups of n = 4
+    tokens = torch.randint(0, 30, (2, 13), device=DEVICE)
+    want, without = _compiled_grads(plain, tokens)
+    got, graphs = _compiled_grads(rc, tokens)
     _assert_bitwise(want, got)
-    assert not rebuilds  # under torch.compile the layers keep their streams (design.md §6)
-    _assert_bitwise(want[1:], _grads(rc, tokens)[1:])  # and the same model eager rebuilds them, same bits
-    assert rebuilds
+    assert graphs.rebuilds(graphs.backward) == [1, 1, 2, 2, 3, 3] and not graphs.rebuilds(graphs.forward)
+    assert not graphs.rebuilds(without.backward)
+    streams_bytes = 2 * 12 * 4 * 32 * 4  # X of one layer: [tokens, n, C] FP32
+    saved_without = sum(t.untyped_storage().nbytes() for t in without.saved().values())
+    saved_with = sum(t.untyped_storage().nbytes() for t in graphs.saved().values())
+    assert saved_without - saved_with == 6 * streams_bytes, (saved_without, saved_with)
 
 
-def test_compiled_branches_in_eager_layers_recompute(rebuilds):
+def test_inductor_compiled_model_with_recompute_matches_without():
+    plain, rc = _models()
+    tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
+    torch._dynamo.reset()
+    want = _grads(plain, tokens, torch.compile(plain.loss, fullgraph=True))
+    torch._dynamo.reset()
+    got = _grads(rc, tokens, torch.compile(rc.loss, fullgraph=True))
+    _assert_bitwise(want, got)
+
+
+class _Chain(torch.nn.Module):
+    """StreamExpand, then MHC layers with tanh branches; ``between``: an op on the streams after layer 1."""
+
+    def __init__(self, n, C, layers, between=False):
+        super().__init__()
+        self.expand = cnn.StreamExpand(n)
+        self.layers = torch.nn.ModuleList(cnn.MHC(torch.nn.Sequential(torch.nn.Linear(C, C), torch.nn.Tanh()), C, n)
+                                          for _ in range(layers))
+        self.head = cnn.MHCHead()
+        self.between = between
+
+    def forward(self, h):
+        X = self.expand(h)
+        for i, layer in enumerate(self.layers):
+            X = layer(X)
+            if self.between and i == 1:
+                X = X * 1.0  # the identity, but an op: a new group starts after it
+        return self.head(X)
+
+
+@pytest.mark.parametrize("n, dtype", [(2, torch.float32), (8, torch.float32), (4, torch.bfloat16)])
+def test_streams_and_dtypes(n, dtype):
+    torch.manual_seed(n)
+    C = 16
+    plain = _Chain(n, C, layers=5).to(DEVICE, dtype)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), 3)
+    h = torch.randn(2, 7, C, device=DEVICE, dtype=dtype)
+    g = torch.randn(2, 7, C, device=DEVICE, dtype=dtype)
+    results = []
+    for model in (plain, rc):
+        torch._dynamo.reset()
+        graphs = _Graphs()
+        x = h.clone().requires_grad_()
+        torch.compile(model, fullgraph=True, backend=graphs.backend)(x).backward(g)
+        results.append(([x.grad] + [p.grad for p in model.parameters()], graphs))
+    _assert_bitwise(results[0][0], results[1][0])
+    assert results[1][1].rebuilds(results[1][1].backward) == [1, 1, 2]  # groups (0, 1, 2) and (3, 4)
+
+
+def test_an_op_between_layers_starts_a_new_group():
+    torch.manual_seed(0)
+    plain = _Chain(4, 16, layers=4, between=True).to(DEVICE)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain))
+    h, g = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+    grads, rebuilds = [], None
+    for model in (plain, rc):
+        torch._dynamo.reset()
+        graphs = _Graphs()
+        x = h.clone().requires_grad_()
+        torch.compile(model, fullgraph=True, backend=graphs.backend)(x).backward(g)
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+        rebuilds = graphs.rebuilds(graphs.backward)
+    _assert_bitwise(*grads)
+    assert rebuilds == [1, 1]  # layers 1 and 3, each after its group's first: none across the op
+
+
+def test_checkpointed_blocks_under_compile():
+    plain, rc = _models(layers=3)
+    for model in (plain, rc):
+        block = model.blocks[2]
+        model.blocks[2] = torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper(block)
+    tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
+    want, _ = _compiled_grads(plain, tokens)
+    got, graphs = _compiled_grads(rc, tokens)
+    _assert_bitwise(want, got)
+    assert graphs.rebuilds(graphs.backward)
+
+
+def test_compiled_branches_in_eager_layers_recompute(eager_rebuilds):
     plain, rc = _models()
     for model in (plain, rc):
         for block in model.blocks:
             block.branch.compile(fullgraph=True, backend="aot_eager")
-    tokens = torch.randint(0, 30, (2, 9))
+    tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
     _assert_bitwise(_grads(plain, tokens), _grads(rc, tokens))
-    assert sorted(rebuilds) == sorted(2 * [1, 2, 3])  # 4 layers, one group: 3 followers, each asked twice
+    assert sorted(eager_rebuilds) == sorted(2 * [1, 2, 3])  # 4 layers, one group: 3 followers, each asked twice
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def op_rebuilds(monkeypatch):
+    asked = []
+    original = mhc_recompute._mhc_rebuild
+    monkeypatch.setattr(mhc_recompute, "_mhc_rebuild", lambda X0, Bs, *rest: asked.append(len(Bs)) or
+                        original(X0, Bs, *rest))
+    return asked
+
+
+def test_eager_calls_under_a_dispatch_mode_use_the_ops_groups(op_rebuilds, eager_rebuilds):
+    """Under a dispatch mode the layers dispatch the custom ops (as FlopCounterMode or a memory tracker needs):
+    the ops' groups rebuild, and a second backward through the graph works (the ops keep X0, B's and records)."""
+    plain, rc = _models()
+    tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
+    want = _grads(plain, tokens)
+    with _Passthrough():
+        got = _grads(rc, tokens)
+        assert sorted(op_rebuilds) == [1, 2, 3] and not eager_rebuilds
+        rc.zero_grad(set_to_none=True)
+        loss = rc.loss(tokens)
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in rc.parameters()]
+        rc.zero_grad(set_to_none=True)
+        loss.backward()
+    _assert_bitwise(want, got)
+    _assert_bitwise(first, [p.grad for p in rc.parameters()])
+
+
+def test_in_place_change_between_eager_layers_starts_a_new_group(op_rebuilds):
+    torch.manual_seed(1)
+    model = cnn.recompute_mhc(_Chain(4, 16, layers=4).to(DEVICE))
+    h, g = torch.randn(3, 16, device=DEVICE), torch.randn(3, 16, device=DEVICE)
+
+    def run(recompute):
+        model.zero_grad(set_to_none=True)
+        x = h.clone().requires_grad_()
+        X = model.expand(x)
+        for i, layer in enumerate(model.layers):
+            X = layer(X)
+            if i == 1:
+                X.mul_(0.5)  # same tensor object, new version: the rebuild of layer 2 would miss it
+        model.head(X).backward(g)
+        return [x.grad] + [p.grad for p in model.parameters()]
+
+    with _Passthrough():
+        got = run(True)
+    assert sorted(op_rebuilds) == [1, 1]
+    cnn.recompute_mhc(model, 1)
+    _assert_bitwise(run(False), got)

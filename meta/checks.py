@@ -123,6 +123,21 @@ def mhc_finish(op: str, X, B, stats, leading_dims: bool = True) -> None:
     record(op, "stats", stats, X, layout.stats_width(n_streams(X)))
 
 
+def group_size(op: str, size) -> None:
+    if type(size) is not int or size < 2:
+        raise ValueError(f"{op}: group_size: expected an int >= 2 (a stream-recompute group), got {size!r}")
+
+
+def mhc_rebuild(op: str, X0, Bs, records) -> None:
+    """X0 [T, n, C] and, per layer to finish through, B [T, C] and its record [T, STATS_WIDTH(n)]."""
+    streams(op, "X0", X0)
+    if len(Bs) != len(records) or not Bs:
+        raise ValueError(f"{op}: expected one record per branch output and at least one layer, got "
+                         f"{len(Bs)} branch outputs and {len(records)} records")
+    for k, (B, stats) in enumerate(zip(Bs, records)):
+        mhc_finish(op, X0, B, stats, leading_dims=False)
+
+
 def mhc_head_bwd(op: str, dY, n) -> None:
     tensor(op, "dY", dY, ndim=2, dtypes=FLOAT_DTYPES)
     if n not in layout.SUPPORTED_STREAMS:

@@ -72,3 +72,24 @@ def mhc_backward_finish(X, dY, dU, fn, scale, base, stats, grad_stats, rms_eps: 
     # parameter gradients in FP32 whatever the parameters' dtype (autograd casts them back)
     return (torch.empty_like(X, memory_format=torch.contiguous_format),
             *(torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in (fn, scale, base)))
+
+
+# ---- stream recompute on the custom-op path (torch.compile, dispatch modes): _ops/mhc_recompute.py ----
+
+def mhc_prepare_rc(X, fn, scale, base, rms_eps: float, hc_eps: float, sinkhorn_iters: int, deterministic: bool):
+    """mhc_prepare's outputs and a third edge, ``edge_X`` [T, n, C] (no data), whose gradient brings the layer's
+    streams -- kept or rebuilt by the finish node -- to the prepare node's backward."""
+    checks.mhc_prepare("cakeops::mhc_prepare_rc", X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    T, n, C = X.shape
+    return (torch.empty((T, C), dtype=X.dtype, device=X.device), _stats(X)) + edges(X) + edges(X)[:1]
+
+
+def mhc_finish_rc(X, B, stats, edge_dy, edge_gs, edge_x, group_size: int):
+    checks.mhc_finish("cakeops::mhc_finish_rc", X, B, stats)
+    checks.group_size("cakeops::mhc_finish_rc", group_size)
+    return torch.empty_like(X, memory_format=torch.contiguous_format)
+
+
+def mhc_rebuild(X0, Bs, records, after):
+    checks.mhc_rebuild("cakeops::mhc_rebuild", X0, Bs, records)
+    return torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)

@@ -168,11 +168,13 @@ class CakeMHCTrainHeadFunction(EagerFunction):
 class MHCTrainHandle:
     """Returned by ``cake_mhc_train_prepare``; serves exactly one ``cake_mhc_train_finish`` of the same X."""
 
-    def __init__(self, X: Tensor, edges, state: Optional[_LayerState] = None, stats: Optional[Tensor] = None):
+    def __init__(self, X: Tensor, edges, state: Optional[_LayerState] = None, stats: Optional[Tensor] = None,
+                 group_size: int = 1):
         self.X = X  # as the user gave it, leading dims and all
         self.edges = edges
         self.state = state
         self.stats = stats
+        self.group_size = group_size  # > 1: the custom-op pair of stream recompute (mhc_prepare_rc)
         self.used = False
 
 
@@ -214,11 +216,16 @@ def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, wo
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
     args.flag("deterministic", deterministic)
-    if _traced.through_ops() or any_dtensor(X=X, fn=fn, scale=scale, base=base):
+    dtensor = any_dtensor(X=X, fn=fn, scale=scale, base=base)
+    if _traced.through_ops() or dtensor:
         if recompute is not None:
-            recompute.close()  # compiled and DTensor layers keep their streams (design.md §6)
-        U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
-        handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
+            recompute.close()  # the eager path's group ends here
+        if recompute is not None and not dtensor:  # the ops' own groups (_ops/mhc_recompute.py)
+            U, stats, *edges = torch.ops.cakeops.mhc_prepare_rc(X3, fn, scale, base, *hp, deterministic)
+            handle = MHCTrainHandle(X, tuple(edges), stats=stats, group_size=recompute.group_size)
+        else:  # DTensor layers keep their streams (design.md §6)
+            U, stats, e_dy, e_gs = torch.ops.cakeops.mhc_prepare(X3, fn, scale, base, *hp, deterministic)
+            handle = MHCTrainHandle(X, (e_dy, e_gs), stats=stats)
     else:
         ws = bws = None
         if workspace is not None:
@@ -260,6 +267,8 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
     handle.used = True
     if handle.state is None:  # the prepare took the custom-op path (torch.compile, DTensors)
         any_dtensor(B=B)
+        if handle.group_size > 1:
+            return torch.ops.cakeops.mhc_finish_rc(X, B, handle.stats, *handle.edges, handle.group_size)
         return torch.ops.cakeops.mhc_finish(X, B, handle.stats, *handle.edges)
     # X enters detached: the finish node has no edge to X at all (its X gradient travels as dY through the
     # edges), so no engine -- compiled autograd included -- ever sums a None into X's gradient.

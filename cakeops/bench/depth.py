@@ -24,14 +24,17 @@ from statistics import geometric_mean
 
 import torch
 
-from ..nn import MHC
+from ..nn import MHC, recompute_mhc
 from ..testing import rel_err
 from ..tiny_lm import TinyLM
 
 
-def build(blocks: int, dim: int, heads: int, vocab: int, seq: int, dtype: torch.dtype, device: str, seed: int):
+def build(blocks: int, dim: int, heads: int, vocab: int, seq: int, dtype: torch.dtype, device: str, seed: int,
+          recompute_group: int = 1):
     torch.manual_seed(seed)
     model = TinyLM(vocab, dim, layers=blocks, heads=heads, max_len=seq + 1).to(device)
+    if recompute_group != 1:
+        recompute_mhc(model, None if recompute_group == 0 else recompute_group)
     if dtype != torch.float32:
         model.to(dtype)
         for module in model.modules():  # the mappings stay FP32 (the cakeops mHC ops take FP32 parameters)
@@ -80,9 +83,10 @@ def _sync(device: str) -> None:
 
 
 def run(blocks=16, dim=32, heads=4, vocab=48, batch=2, seq=16, steps=3, dtype=torch.float32, device="cpu",
-        seed=0, lr=1e-4, log=None) -> dict:
-    """Trains the eager and the compiled copy for ``steps`` steps on the same tokens; returns the record."""
-    eager = build(blocks, dim, heads, vocab, seq, dtype, device, seed)
+        seed=0, lr=1e-4, recompute_group=1, log=None) -> dict:
+    """Trains the eager and the compiled copy for ``steps`` steps on the same tokens; returns the record.
+    ``recompute_group``: both copies under ``recompute_mhc`` with groups of this size (0: its default; 1: off)."""
+    eager = build(blocks, dim, heads, vocab, seq, dtype, device, seed, recompute_group)
     compiled_model = copy.deepcopy(eager)
     # the same weights in float32 (the mHC mappings already are): the reference for a low-precision run
     float32_model = copy.deepcopy(eager).float() if dtype != torch.float32 else None
@@ -94,6 +98,7 @@ def run(blocks=16, dim=32, heads=4, vocab=48, batch=2, seq=16, steps=3, dtype=to
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1)).to(device)
     record = {"blocks": blocks, "mhc_layers": 2 * blocks, "dim": dim, "batch": batch, "seq": seq,
               "dtype": str(dtype).replace("torch.", ""), "device": device, "torch": torch.__version__,
+              "recompute_group": next(m.recompute_group for m in eager.modules() if isinstance(m, MHC)),
               "losses_eager": [], "losses_compiled": [], "step_s_eager": [], "step_s_compiled": []}
     names = [name for name, _ in eager.named_parameters()]
     for step in range(steps):
@@ -144,12 +149,16 @@ def main(argv=None) -> int:
                    help="activations and branch weights; mHC mappings stay FP32 (float32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
+    p.add_argument("--recompute-group", type=int, default=1,
+                   help="stream recompute (cakeops.nn.recompute_mhc) in both copies with groups of this size; 0: its "
+                        "default (1: off)")
     p.add_argument("--json", default=None, help="write the record here")
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}; {args.blocks} blocks ({2 * args.blocks} mHC layers), C={args.dim}, "
           f"{args.dtype} on {args.device}: compiling with Inductor...", flush=True)
     record = run(args.blocks, args.dim, args.heads, 48, args.batch, args.seq, args.steps,
-                 getattr(torch, args.dtype), args.device, lr=args.lr, log=lambda s: print(s, flush=True))
+                 getattr(torch, args.dtype), args.device, lr=args.lr, recompute_group=args.recompute_group,
+                 log=lambda s: print(s, flush=True))
     steady = record["step_s_compiled"][1:] or record["step_s_compiled"]
     print(f"compile (first step) {record['compile_s']:.1f} s; compiled step {sorted(steady)[len(steady) // 2]:.4f} s; "
           f"loss max |eager - compiled| {record['loss_max_abs_diff']:.3g}; "
