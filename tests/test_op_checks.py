@@ -15,6 +15,7 @@ from cakeops.cake_mhc_train import (
     cake_mhc_train_forward_prepare, cake_mhc_train_forward_stats, cake_mhc_train_head_backward,
     cake_mhc_train_head_forward,
 )
+from cakeops.nn import MHC, recompute_mhc
 from cakeops.cake_rmsnorm_train import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 from cakeops.meta.mhc_head_layout import HEAD_STATS_WIDTH
 from cakeops.meta.mhc_layout import GRAD_STATS_WIDTH, N_LOGITS, STATS_WIDTH
@@ -41,6 +42,10 @@ def _good():
 
 def _edges(a):
     return ops.mhc_prepare(a["X"], a["fn"], a["scale"], a["base"], 1e-5, 1e-6, 3, True)[2:]
+
+
+def _rc_edges(a):
+    return ops.mhc_prepare_rc(a["X"], a["fn"], a["scale"], a["base"], 1e-5, 1e-6, 3, True)[2:]
 
 
 # (op, what is bad, change to the good arguments, public call, op call)
@@ -100,6 +105,22 @@ CASES = [
     ("mhc_finish", "stats narrower than the record", dict(stats=lambda a: a["stats"][:, :32]),
      lambda a: cake_mhc_train_forward_finish(a["X"], a["B"], a["stats"]),
      lambda a: ops.mhc_finish(a["X"], a["B"], a["stats"], *_edges(a))),
+    # stream recompute's custom-op pair and rebuild (what nn.MHC under recompute_mhc dispatches while compiled)
+    ("mhc_prepare_rc", "fn with a column short", dict(fn=lambda a: a["fn"][:, :-1]),
+     lambda a: cake_mhc_train_forward_prepare(a["X"], a["fn"], a["scale"], a["base"], **HP),
+     lambda a: ops.mhc_prepare_rc(a["X"], a["fn"], a["scale"], a["base"], 1e-5, 1e-6, 3, True)),
+    ("mhc_finish_rc", "B with fewer tokens", dict(B=lambda a: a["B"][:3]),
+     lambda a: cake_mhc_train_forward_finish(a["X"], a["B"], a["stats"]),
+     lambda a: ops.mhc_finish_rc(a["X"], a["B"], a["stats"], *_rc_edges(a), 4)),
+    ("mhc_finish_rc", "group_size = 1", {},
+     lambda a: recompute_mhc(MHC(torch.nn.Identity(), C, N), 0),
+     lambda a: ops.mhc_finish_rc(a["X"], a["B"], a["stats"], *_rc_edges(a), 1)),
+    ("mhc_rebuild", "a record narrower than the layout", dict(stats=lambda a: a["stats"][:, :32]),
+     lambda a: cake_mhc_train_forward_finish(a["X"], a["B"], a["stats"]),
+     lambda a: ops.mhc_rebuild(a["X"], [a["B"]], [a["stats"]], a["dY"])),
+    ("mhc_rebuild", "no layer to finish through", {},
+     lambda a: recompute_mhc(torch.nn.Linear(2, 2)),
+     lambda a: ops.mhc_rebuild(a["X"], [], [], a["dY"])),
     ("mhc_head_fwd", "X without a stream dim", dict(X=lambda a: a["X"].reshape(T, N * C)),
      lambda a: cake_mhc_train_head_forward(a["X"]),
      lambda a: ops.mhc_head_fwd(a["X"])),
