@@ -79,8 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated residual schemes to time (default: {','.join(VARIANTS)})")
     p.add_argument("--recompute-group", type=int, default=None,
-                   help="cakeops-recompute's group size (default: recompute_mhc's own; stream recompute applies to "
-                        "eager models: --no-compile)")
+                   help="cakeops-recompute's group size (default: recompute_mhc's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the whole model and loss, fullgraph=True (default); --no-compile: eager")
     p.add_argument("--backend", default=None,
