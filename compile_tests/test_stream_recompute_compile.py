@@ -231,3 +231,22 @@ def test_in_place_change_between_eager_layers_starts_a_new_group(op_rebuilds):
     assert sorted(op_rebuilds) == [1, 1]
     cnn.recompute_mhc(model, 1)
     _assert_bitwise(run(False), got)
+
+
+def test_flop_counter_counts_the_rebuilds():
+    """Under FlopCounterMode (a dispatch mode) the recompute model's step counts its rebuilds: one finish per layer
+    rebuilt through, on top of the model's FLOPs without recompute."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    plain, rc = _models()
+    tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
+    counts = []
+    for model in (plain, rc):
+        with FlopCounterMode(display=False) as counter:
+            model.loss(tokens).backward()
+        counts.append(counter.get_flop_counts()["Global"])
+    ops = torch.ops.cakeops
+    T, n, C = 2 * 8, 4, 32
+    assert counts[1][ops.mhc_rebuild] == (1 + 2 + 3) * (2 * T * n * n * C + 2 * T * n * C)
+    assert counts[1][ops.mhc_finish_rc] == counts[0][ops.mhc_finish]
+    assert sum(counts[1].values()) - sum(counts[0].values()) == counts[1][ops.mhc_rebuild]

@@ -70,7 +70,12 @@ def _gated_head_bwd(dY, X, *args, **kwargs) -> int:
     return 4 * T * n * C * n + 4 * T * n * C            # dX and dfn of the projection, dX and dgates of the sum
 
 
-FORMULAS = {"mhc_prepare": _prepare, "mhc_stats": _stats, "mhc_finish": _finish, "mhc_head_fwd": _head_fwd,
+def _rebuild(X0, Bs, *args, **kwargs) -> int:
+    return len(Bs) * _finish(X0)                        # one finish per layer rebuilt through (stream recompute)
+
+
+FORMULAS = {"mhc_prepare": _prepare, "mhc_prepare_rc": _prepare, "mhc_finish_rc": _finish, "mhc_rebuild": _rebuild,
+            "mhc_stats": _stats, "mhc_finish": _finish, "mhc_head_fwd": _head_fwd,
             "mhc_head_bwd": _head_bwd, "mhc_backward_prepare": _backward_prepare,
             "mhc_backward_finish": _backward_finish, "mhc_gated_head_fwd": _gated_head_fwd,
             "mhc_gated_head_bwd": _gated_head_bwd}
