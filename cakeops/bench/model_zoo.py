@@ -11,7 +11,8 @@ Variants (the residual scheme around every attention and MLP branch):
 - ``plain``: ``h = h + branch(norm(h))``, one stream.
 - ``cakeops``: ``StreamExpand`` -> ``cakeops.nn.MHC(branch)`` per branch -> ``MHCHead``; mappings kept FP32.
 - ``cakeops-recompute``: ``cakeops`` with stream recompute (``cakeops.nn.recompute_mhc``, its default groups):
-  the same weights and the same gradients, fewer residual streams kept for the backward (eager models).
+  the same weights and the same gradients, fewer residual streams kept for the backward
+  (eager and compiled).
 - ``math``: the same layer, the same parameters and initialisation (``MathMHC`` subclasses ``nn.MHC``), written
   in plain differentiable torch ops -- ``cakeops.reference.mhc.layer``, the SPEC math with its 20-step Sinkhorn --
   for torch.compile to fuse. Streams ``[..., n, C]`` as cakeops; the head is the mean of the streams.
