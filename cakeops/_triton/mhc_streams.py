@@ -30,6 +30,17 @@ def _token_and_columns(c_blocks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _mix_in(y, comb_i, x_i):
+    """y [N, BLOCK_C] + comb_i [N] (x) x_i [BLOCK_C] as one explicit fused multiply-add per element. Written as
+    ``y += a * b`` the compiler may fuse either product of ``post * B + comb_0 * x_0`` into the add, and which one
+    it picks depends on the kernel's code around it and on its specialization (C divisible by 16 or not, Inductor's
+    build or Triton's): forward_finish and the rebuild kernel then differed in the last bit (H200, n = 2, C = 16).
+    An explicit fma leaves the compiler no choice, so both kernels round alike wherever they are built."""
+    comb = tl.broadcast_to(comb_i[:, None], y.shape)
+    return tl.fma(comb, tl.broadcast_to(x_i[None, :], y.shape), y)
+
+
+@triton.jit
 def _finish_kernel(
     X, B, STATS, Y, C, stride_xt, stride_xi, stride_bt, stride_yt, stride_yi, c_blocks,
     N: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -43,7 +54,7 @@ def _finish_kernel(
     y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-        y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x[None, :]
+        y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j), x)
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], y.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
 
@@ -70,7 +81,7 @@ def _rebuild_kernel(
         y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
         for i in tl.static_range(N):
             x_i = tl.sum(tl.where(j[:, None] == i, x, -0.0), axis=0)
-            y += tl.load(s_row + COMB(N) + i * N + j)[:, None] * x_i[None, :]
+            y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j), x_i)
         x = y.to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
