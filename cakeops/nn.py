@@ -205,8 +205,8 @@ class MHC(_Mapping):
             raise ValueError(f"MHC: the branch must return bfloat16, float16 or float32: given {_dtype(U)}, it "
                              f"returned {_dtype(B)}; cast its output (or the model) to one of them")
         Y = cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
-        if plan is not None:
-            plan.leave(handle.state.link if handle.state is not None else None, Y)
+        if plan is not None and handle.state is not None:  # the eager path (the ops path forms its own groups)
+            plan.leave(handle.state.link, Y)
         return Y
 
     @property

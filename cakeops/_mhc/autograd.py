@@ -218,8 +218,8 @@ def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, wo
     args.flag("deterministic", deterministic)
     dtensor = any_dtensor(X=X, fn=fn, scale=scale, base=base)
     if _traced.through_ops() or dtensor:
-        if recompute is not None:
-            recompute.close()  # the eager path's group ends here
+        if recompute is not None and not torch.compiler.is_compiling():
+            recompute.close()  # the eager path's group ends here (compiled code leaves the eager plan alone)
         if recompute is not None and not dtensor:  # the ops' own groups (_ops/mhc_recompute.py)
             U, stats, *edges = torch.ops.cakeops.mhc_prepare_rc(X3, fn, scale, base, *hp, deterministic)
             handle = MHCTrainHandle(X, tuple(edges), stats=stats, group_size=recompute.group_size)
