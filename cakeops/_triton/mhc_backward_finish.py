@@ -20,6 +20,8 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
+On sm_90 with bf16 / fp16 data, kernel B runs in Gluon instead (cakeops/_gluon/mhc_backward_dx.py: TMA, warp
+specialization, the same arithmetic); ``CAKEOPS_GLUON=0`` keeps the Triton kernels there too.
 Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
@@ -32,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _gluon
 from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
@@ -478,7 +481,9 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
     strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
                dX.stride(0), dX.stride(1))
-    if cfg.dx_by_stream:
+    if _gluon.takes_dx(X, dY, dU, stats, dz, dX):  # sm_90, bf16 / fp16: kernel B in Gluon, the same dX (_gluon/)
+        _gluon.dx(X, dY, dU, fn, stats, dz, dX)
+    elif cfg.dx_by_stream:
         block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
         fn_b = fn
         if cfg.stream_fn_k_major:
