@@ -238,7 +238,7 @@ def _dx_compute(descs, bufs, bars, c0, first, blocks, N: gl.constexpr, WGMMA: gl
 
 
 @gluon.jit
-def _dx_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc, FN, C, stride_fn, columns,
+def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc, FN, C, stride_fn, columns,
                blocks_per_split, token_blocks, N: gl.constexpr, WGMMA: gl.constexpr, WARPS_C: gl.constexpr,
                num_warps: gl.constexpr):
     """dX for one column chunk (program_id % columns) over one range of token blocks (program_id // columns).
@@ -386,5 +386,5 @@ def dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, st
     cfg = (config or DxConfig()).resolve(n, C)
     plan = _Plan(T, n, C, X.device, cfg)
     descs = descriptors(X, dY, dU, dX, dz.view(T, logits_pad(n)), stats, n, cfg.block_c)
-    _dx_kernel[plan.grid](*descs, fn, C, fn.stride(0), plan.columns, plan.blocks_per_split, plan.token_blocks,
-                          N=n, WGMMA=n > 4, WARPS_C=cfg.warps_c, num_warps=4 * cfg.warps_c)
+    _dx_gluon_kernel[plan.grid](*descs, fn, C, fn.stride(0), plan.columns, plan.blocks_per_split,
+                                plan.token_blocks, N=n, WGMMA=n > 4, WARPS_C=cfg.warps_c, num_warps=4 * cfg.warps_c)

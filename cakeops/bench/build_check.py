@@ -282,8 +282,10 @@ def _ast_source(fn):
 
 
 def tensor_core_instructions(ptx: str) -> tuple:
-    """The distinct tensor-core instructions of a PTX listing, sorted (shape and types included)."""
-    return tuple(sorted(set(re.findall(r"\b(mma\.sync\.aligned\.[\w.]+|wgmma\.mma_async\.[\w.]+)", ptx))))
+    """The distinct tensor-core instructions of a PTX listing, sorted (shape and types included), and its explicit
+    roundings to TF32 if it has any (``cvt.rna.tf32.f32``: Triton's TF32 dots leave the truncation to the MMA)."""
+    return tuple(sorted(set(re.findall(r"\b(mma\.sync\.aligned\.[\w.]+|wgmma\.mma_async\.[\w.]+|cvt\.rna\.tf32"
+                                       r"\.f32)", ptx))))
 
 
 def gluon_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
