@@ -78,6 +78,13 @@ def fn_layout(wgmma, block_c):
     return gl.NVMMASharedLayout.get_default_for(fn_shape(wgmma, block_c), gl.float32)
 
 
+@gluon.constexpr_function
+def fn_load_layout(num_warps, block_c):
+    """A [K_STEP, block_c] FP32 chunk of fn over the CTA's threads without replication (num_warps = 8: exactly one
+    tile), vectors along the columns."""
+    return gl.BlockedLayout([1, max(1, block_c // 16)], [2, 16], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _barriers(count: gl.constexpr):
     """``count`` mbarriers of one arrival each, in one allocation."""
@@ -273,20 +280,23 @@ def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc
     blocks = gl.minimum(blocks_per_split, token_blocks - first)
 
     # fn[m, i*C + c] for the chunk's columns, every stream; logits past M and columns past C zero (as _dx_kernel
-    # masks them: the zero logits meet dz's zero columns)
+    # masks them: the zero logits meet dz's zero columns). Every chunk is loaded before any is stored: Triton puts a
+    # CTA barrier between stores into one allocation, and loads issued after it would wait a round trip each.
     fn_bufs = bufs[7]
-    FL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    FL: gl.constexpr = fn_load_layout(num_warps, BLOCK_C)
     k = gl.arange(0, K_STEP, layout=gl.SliceLayout(1, FL))
     c = c0 + gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, FL))
+    chunks = ()
     for i in gl.static_range(N):
         for kc in gl.static_range(KC):
             m = kc * K_STEP + k
-            chunk = gl.load(FN + m[:, None] * stride_fn + i * C + c[None, :], mask=(m < M)[:, None] & (c < C)[None, :],
-                            other=0.0)
-            if WGMMA:
-                fn_bufs.index(i * KC + kc).store(gl.permute(chunk, [1, 0]))
-            else:
-                fn_bufs.index(i * KC + kc).store(chunk)
+            chunks = chunks + (gl.load(FN + m[:, None] * stride_fn + i * C + c[None, :],
+                                       mask=(m < M)[:, None] & (c < C)[None, :], other=0.0),)
+    for q in gl.static_range(N * KC):
+        if WGMMA:
+            fn_bufs.index(q).store(gl.permute(chunks[q], [1, 0]))
+        else:
+            fn_bufs.index(q).store(chunks[q])
     fence_async_shared()  # the wgmma reads fn through the async proxy
     cta_barrier()
 
