@@ -56,17 +56,32 @@ def builds():
     return made
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("n", STREAMS)
-def test_gluon_dx_fits_sm90_without_spills(builds, n, dtype):
+def _check_fits(made, n, persistent=True):
     limit = arch.TARGETS[90].shared_memory
-    made = builds[(dtype, n)]
     assert made, "no launch recorded"
     for b in made:
         assert b.kernel == "_dx_gluon_kernel" and b.constexprs["N"] == n
         assert b.shared <= limit, f"{b.shared} bytes of shared memory > sm_90's {limit}: {b}"
         assert b.spill == 0, f"{b.spill} bytes spilled: {b}"
-        assert b.grid and b.grid[0] <= SMS, f"not a persistent grid: {b.grid}"
+        assert not persistent or b.grid[0] <= SMS, f"not a persistent grid: {b.grid}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("n", STREAMS)
+def test_gluon_dx_fits_sm90_without_spills(builds, n, dtype):
+    _check_fits(builds[(dtype, n)], n)
+
+
+@pytest.mark.parametrize("n", STREAMS)
+def test_gluon_dx_tuning_candidates_fit_sm90_without_spills(n):
+    """The launch shapes python -m cakeops.bench.gluon_dx --sweep times besides the default (bf16, T = 16384,
+    C = 4096; a program owns one column tile, so 16-column tiles at C = 4096 are 256 programs, two waves)."""
+    from cakeops._gluon.mhc_backward_dx import DxConfig
+    from cakeops.bench import build_check as bc
+
+    for cfg in DxConfig.candidates(n):
+        made = bc.compile_launches(bc.gluon_launches(16384, n, 4096, torch.bfloat16, cfg), sm=90, sms=SMS)
+        _check_fits(made, n, persistent=False)
 
 
 # Triton's kernel B built for sm_90 (a subprocess: under TRITON_INTERPRET, which conftest sets on a CPU, triton.jit

@@ -329,8 +329,18 @@ class DxConfig:
     per_sm: int = 1                # programs per SM (12 warps at 168 registers fill the register file)
 
     def resolve(self, n: int, C: int) -> "DxConfig":
+        """This config for n streams of C columns: the default width for n, never wider than C needs (nor narrower
+        than 8 columns per warp: an MMA tile)."""
         block_c = self.block_c or (32 if n > 4 else 64)
         return DxConfig(max(8 * self.warps_c, min(block_c, 1 << (C - 1).bit_length())), self.warps_c, self.per_sm)
+
+    @staticmethod
+    def candidates(n: int):
+        """The other launch shapes worth timing at n streams (python -m cakeops.bench.gluon_dx --sweep), each built
+        for sm_90 without spills and within its shared memory by tests/test_gluon_builds.py: wider column tiles at
+        n = 2 (140 KB), narrower ones at n = 4 and 8 (n = 8 at 64 columns would need 360 KB; 4 compute warps
+        spill at n = 8 and hold 255 registers at n = 4)."""
+        return {2: (DxConfig(block_c=128),), 4: (DxConfig(block_c=32),), 8: (DxConfig(block_c=16),)}[n]
 
 
 def _layout(block, dtype: torch.dtype):

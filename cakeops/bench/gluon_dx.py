@@ -1,4 +1,5 @@
-"""``python -m cakeops.bench.gluon_dx [--n 2,4,8] [--T 16384] [--C 4096,2048] [--dtype bfloat16] [--out FILE]``:
+"""``python -m cakeops.bench.gluon_dx [--n 2,4,8] [--T 16384] [--C 4096,2048] [--dtype bfloat16] [--sweep]
+[--out FILE]``:
 backward_finish's kernel B (dX) as Triton's kernel and as the Gluon kernel (cakeops/_gluon, sm_90), each timed
 alone on the same inputs, beside a torch copy of the same bytes.
 
@@ -71,9 +72,16 @@ class KernelB:
         self.nbytes = (3 * n + 1) * T * C * self.X.element_size()
         self._launch = F.launch_dx
 
-    def run(self) -> torch.Tensor:
-        self._launch(self.X, self.dY, self.dU, self.fn, self.stats, self.dz, self.dX, self.fn_t, self.cfg,
-                     self.split, "tf32")
+    def run(self, gluon_config=None) -> torch.Tensor:
+        """One call of kernel B as backward_finish makes it, or (``gluon_config``: a DxConfig) the Gluon kernel at
+        that launch shape."""
+        if gluon_config is not None:
+            from .._gluon.mhc_backward_dx import dx
+
+            dx(self.X, self.dY, self.dU, self.fn, self.stats, self.dz, self.dX, config=gluon_config)
+        else:
+            self._launch(self.X, self.dY, self.dU, self.fn, self.stats, self.dz, self.dX, self.fn_t, self.cfg,
+                         self.split, "tf32")
         return self.dX
 
 
@@ -101,9 +109,11 @@ def copy_ms(nbytes: int, device) -> float:
     return median_ms(lambda: dst.copy_(src))
 
 
-def measure(T: int, n: int, C: int, dtype: torch.dtype, device, with_op: bool = True) -> Dict[str, object]:
+def measure(T: int, n: int, C: int, dtype: torch.dtype, device, with_op: bool = True,
+            sweep: bool = False) -> Dict[str, object]:
     """One row: kernel B's time and GB/s as Triton's and as Gluon's, the copy ceiling of its bytes, whether the
-    two dX are the same bits, and the whole backward_finish with either."""
+    two dX are the same bits, and the whole backward_finish with either; ``sweep``: the Gluon kernel at each of
+    ``DxConfig.candidates(n)`` too."""
     gen = torch.Generator(device=device).manual_seed(T * 1000003 + n * 1009 + C)
     case = KernelB(T, n, C, dtype, device, gen)
     row: Dict[str, object] = dict(n=n, T=T, C=C, dtype=str(dtype).replace("torch.", ""), mb=case.nbytes / 1e6)
@@ -118,6 +128,12 @@ def measure(T: int, n: int, C: int, dtype: torch.dtype, device, with_op: bool = 
     row["equal"] = bool(torch.equal(outs["triton"], outs["gluon"]))
     if not row["equal"]:
         row["max_abs_diff"] = (outs["triton"].float() - outs["gluon"].float()).abs().max().item()
+    if sweep:  # the Gluon kernel at its other launch shapes: us, and whether dX is still Triton's
+        from .._gluon.mhc_backward_dx import DxConfig
+
+        row["sweep"] = [(cfg, 1000 * median_ms(lambda: case.run(cfg)), bool(torch.equal(case.run(cfg),
+                                                                                          outs["triton"])))
+                        for cfg in DxConfig.candidates(n)]
     del case, outs
     if with_op:
         op = _finish_op(T, n, C, dtype, device, gen)
@@ -153,6 +169,10 @@ def table(rows: List[Dict[str, object]], device_name: str) -> str:
         per_c.setdefault((r["C"], r["dtype"]), {})[r["n"]] = r["gluon_gbps"]
     notes = [f"C={c} {dt}: Gluon kernel B at n = 8 runs at {100 * g[8] / g[4]:.0f} % of n = 4's GB/s (target >= 85 %)"
              for (c, dt), g in per_c.items() if 4 in g and 8 in g]
+    for r in rows:
+        for cfg, us, equal in r.get("sweep", ()):
+            notes.append(f"n={r['n']} C={r['C']} Gluon at block_c={cfg.block_c} warps_c={cfg.warps_c}: {us:.0f} us "
+                         f"({r['mb'] * 1e3 / us:.0f} GB/s; default {r['gluon_us']:.0f} us), dX equal: {equal}")
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -163,6 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--C", default="4096,2048")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--no-op", action="store_true", help="kernel B only, not the whole backward_finish")
+    p.add_argument("--sweep", action="store_true", help="also time the Gluon kernel at DxConfig.candidates(n)")
     p.add_argument("--out", default=None, help="write the markdown table to this file")
     args = p.parse_args(argv)
     from .. import _gluon
@@ -178,7 +199,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     for C in (int(c) for c in args.C.split(",")):
         for n in (int(v) for v in args.n.split(",")):
-            rows.append(measure(args.T, n, C, getattr(torch, args.dtype), device, with_op=not args.no_op))
+            rows.append(measure(args.T, n, C, getattr(torch, args.dtype), device, with_op=not args.no_op,
+                                sweep=args.sweep))
             r = rows[-1]
             print(f"n={n} C={C}: Triton {r['triton_us']:.0f} us, Gluon {r['gluon_us']:.0f} us, copy "
                   f"{r['copy_us']:.0f} us, dX equal: {r['equal']}", flush=True)
