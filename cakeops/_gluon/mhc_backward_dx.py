@@ -187,15 +187,14 @@ def _dx_store(descs, bufs, bars, c0, first, blocks, N: gl.constexpr):
 @gluon.jit
 def _project(acc, dz, fn_bufs, i: gl.constexpr, WGMMA: gl.constexpr, L: gl.constexpr):
     """acc + dz @ fn_i through the tensor cores, K_STEP logits a call in order (each two TF32 k-steps of 8), dz's
-    chunks from registers, fn_i's from shared memory."""
+    chunks from registers, fn_i's from shared memory. wgmma: issued asynchronously, one commit group a call; the
+    caller waits (the accumulations still happen in order). mma.sync: the result."""
     KC: gl.constexpr = len(dz)
     if WGMMA:
         # TF32: the backend's default input precision (triton 3.6's warpgroup_mma cannot take it as an argument: it
-        # does not unwrap the constexpr string; tests/test_gluon_builds.py checks the PTX). The chain is issued
-        # asynchronously and waited for once: the accumulations still happen in order.
+        # does not unwrap the constexpr string; tests/test_gluon_builds.py checks the PTX)
         for kc in gl.static_range(KC):
             acc = warpgroup_mma(dz[kc], fn_bufs.index(i * KC + kc).permute([1, 0]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
     else:
         for kc in gl.static_range(KC):
             acc = mma_v2(dz[kc], fn_bufs.index(i * KC + kc).load(gl.DotOperandLayout(1, L, 1)), acc,
@@ -204,8 +203,21 @@ def _project(acc, dz, fn_bufs, i: gl.constexpr, WGMMA: gl.constexpr, L: gl.const
 
 
 @gluon.jit
+def _stage(dx, i: gl.constexpr, it, out_bufs, out_ready, out_empty, N: gl.constexpr):
+    """dX_i of block ``it`` rounded into staging tile i % 2 (once the store warp has handed it back) and handed to
+    the store warp, which also hands X_i's slots back to the load warp."""
+    use = it * (N // 2) + i // 2  # earlier uses of staging tile i % 2
+    mbarrier.wait(out_empty.index(i % 2), (use & 1) ^ 1)
+    out_bufs.index(i % 2).store(dx.to(out_bufs.dtype))
+    fence_async_shared()  # the staging writes and the X_i / comb reads before the TMA's accesses
+    mbarrier.arrive(out_ready.index(i % 2), count=1)
+
+
+@gluon.jit
 def _dx_compute(descs, bufs, bars, c0, first, blocks, N: gl.constexpr, WGMMA: gl.constexpr, WARPS_C: gl.constexpr):
-    """dX of each block, output stream by stream, from the tiles the load warp brings (``_dx_tile``'s order)."""
+    """dX of each block, output stream by stream, from the tiles the load warp brings (``_dx_tile``'s order).
+    With the wgmma, stream i's projection runs while the warps compute stream i + 1's elementwise terms (its
+    chain is waited for, and staged, after i + 1's is issued)."""
     x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc = descs
     x_bufs, dy_bufs, du_buf, st_bufs, s_buf, dz_bufs, out_bufs, fn_bufs = bufs
     head_ready, head_empty, x_ready, x_empty, out_ready, out_empty = bars
@@ -237,11 +249,14 @@ def _dx_compute(descs, bufs, bars, c0, first, blocks, N: gl.constexpr, WGMMA: gl
             for j in gl.static_range(N):
                 acc += _column(comb, j, L) * dys[j]
             acc = _project(acc, dz, fn_bufs, i, WGMMA, L)
-            use = it * (N // 2) + i // 2  # earlier uses of staging tile i % 2
-            mbarrier.wait(out_empty.index(i % 2), (use & 1) ^ 1)
-            out_bufs.index(i % 2).store(acc.to(x_desc.dtype))
-            fence_async_shared()  # the staging writes and the X_i / comb reads before the TMA's accesses
-            mbarrier.arrive(out_ready.index(i % 2), count=1)  # the store warp hands X_i's slots back
+            if WGMMA:
+                if i > 0:  # the previous stream's chain is done when at most this stream's KC groups are pending
+                    _stage(warpgroup_mma_wait(KC, deps=(pending,)), i - 1, it, out_bufs, out_ready, out_empty, N)
+                pending = acc
+            else:
+                _stage(acc, i, it, out_bufs, out_ready, out_empty, N)
+        if WGMMA:
+            _stage(warpgroup_mma_wait(0, deps=(pending,)), N - 1, it, out_bufs, out_ready, out_empty, N)
 
 
 @gluon.jit
