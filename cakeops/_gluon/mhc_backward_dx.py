@@ -31,6 +31,7 @@ There is no interpreter for Gluon: this kernel runs on sm_90 only (``cakeops._gl
 kernels stay the path everywhere else and its numerical twin. tests/test_gluon_builds.py compiles every variant the
 launcher can pick for sm_90 on CPU.
 """
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -360,8 +361,13 @@ class DxConfig:
 
 def _layout(block, dtype: torch.dtype):
     """The NVMMA shared layout (the widest swizzle the box's rows allow) of a TMA box of ``block``."""
-    return gl.NVMMASharedLayout.get_default_for(block, {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                                                        torch.float32: gl.float32}[dtype])
+    return _layout_of(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)  # per call of the launcher, on the host path
+def _layout_of(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                                                              torch.float32: gl.float32}[dtype])
 
 
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
