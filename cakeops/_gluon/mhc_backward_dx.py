@@ -68,15 +68,11 @@ def flat_layout(layout):
 
 
 @gluon.constexpr_function
-def fn_shape(wgmma, block_c):
-    """fn's shared tile for one stream and K_STEP logits: [block_c, K_STEP] K-major for the wgmma (its TF32
-    operands must be K-major), [K_STEP, block_c] row-major for mma.sync's B operand."""
-    return [block_c, K_STEP.value] if wgmma else [K_STEP.value, block_c]
-
-
-@gluon.constexpr_function
-def fn_layout(wgmma, block_c):
-    return gl.NVMMASharedLayout.get_default_for(fn_shape(wgmma, block_c), gl.float32)
+def fn_layout(block_c):
+    """fn's shared tile for one stream and K_STEP logits, [block_c, K_STEP] K-major: the wgmma's TF32 operands must
+    be K-major, and mma.sync's B fragments (4 logits x 8 columns a warp) read it without bank conflicts (a
+    row-major [K_STEP, block_c] tile has two-way conflicts)."""
+    return gl.NVMMASharedLayout.get_default_for([block_c, K_STEP.value], gl.float32)
 
 
 @gluon.constexpr_function
@@ -198,7 +194,7 @@ def _project(acc, dz, fn_bufs, i: gl.constexpr, WGMMA: gl.constexpr, L: gl.const
             acc = warpgroup_mma(dz[kc], fn_bufs.index(i * KC + kc).permute([1, 0]), acc, is_async=True)
     else:
         for kc in gl.static_range(KC):
-            acc = mma_v2(dz[kc], fn_bufs.index(i * KC + kc).load(gl.DotOperandLayout(1, L, 1)), acc,
+            acc = mma_v2(dz[kc], fn_bufs.index(i * KC + kc).permute([1, 0]).load(gl.DotOperandLayout(1, L, 1)), acc,
                          input_precision="tf32")
     return acc
 
@@ -285,7 +281,7 @@ def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc
             gl.allocate_shared_memory(gl.float32, s_desc.block_type.shape, s_desc.layout),        # s
             gl.allocate_shared_memory(gl.float32, [KC] + dz_desc.block_type.shape, dz_desc.layout),  # dz
             gl.allocate_shared_memory(dtype, [2, BLOCK_T, BLOCK_C], tile),                        # dX staging
-            gl.allocate_shared_memory(gl.float32, [N * KC] + fn_shape(WGMMA, BLOCK_C), fn_layout(WGMMA, BLOCK_C)))
+            gl.allocate_shared_memory(gl.float32, [N * KC, BLOCK_C, K_STEP], fn_layout(BLOCK_C)))  # fn^T
     # head_*: a block's top-of-block group; x_*: stream i's group; out_*: the staging tiles. *_ready are completed
     # by the TMA loads (out_ready: by the compute warps), *_empty by the warps done with the slots
     bars = (_barriers(1), _barriers(1), _barriers(N), _barriers(N), _barriers(2), _barriers(2))
@@ -309,10 +305,7 @@ def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc
             chunks = chunks + (gl.load(FN + m[:, None] * stride_fn + i * C + c[None, :],
                                        mask=(m < M)[:, None] & (c < C)[None, :], other=0.0),)
     for q in gl.static_range(N * KC):
-        if WGMMA:
-            fn_bufs.index(q).store(gl.permute(chunks[q], [1, 0]))
-        else:
-            fn_bufs.index(q).store(chunks[q])
+        fn_bufs.index(q).store(gl.permute(chunks[q], [1, 0]))
     fence_async_shared()  # the wgmma reads fn through the async proxy
     cta_barrier()
 
