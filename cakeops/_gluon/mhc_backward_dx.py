@@ -15,17 +15,20 @@ What Gluon gives beyond Triton, and why each:
   shared memory (stmatrix): no layout conversion anywhere.
 * Warp specialization: one warp issues every TMA load, one every TMA store, the other warps (the default partition)
   only compute. Loads sit in shared memory one block of tokens ahead: every tile has its own slot, refilled with the
-  next block's tile as soon as the compute warps have read it (dY / dU / pre / s at the top of a block, X_i and
-  comb[i, :] after output stream i), dz double-buffered; mbarriers carry "ready" and "empty" between the warps.
-  (TMA issued by the compute warps themselves was tried first: Triton's shared-memory barrier analysis put a CTA
-  barrier beside every TMA and mbarrier operation, some 60 per block at n = 8, each one stalling all compute warps.)
-* fn's columns for the program's chunk stay in shared memory for its whole token range (loaded once, FP32; K-major
-  for the wgmma, whose TF32 operands must be): per block only the data tiles and the per-token records move.
+  next block's tile as soon as the compute warps have read it (dY / dU / pre / s / dz at the top of a block, X_i and
+  comb[i, :] after output stream i); mbarriers carry "ready" and "empty" between the warps. (TMA issued by the
+  compute warps themselves was tried first: Triton's shared-memory barrier analysis put a CTA barrier beside every
+  TMA and mbarrier operation, some 60 per block at n = 8, each one stalling all compute warps.)
+* fn's columns for the program's chunk stay in shared memory for its whole token range (loaded once, FP32,
+  K-major: the wgmma's TF32 operands must be, mma.sync reads its B fragments so by ldmatrix): per block only the
+  data tiles and the per-token records move.
 * Persistent programs: a column chunk x a contiguous range of token blocks each, like _dx_kernel's grid.
 
-dY_j stay in registers for the whole block (FP32, n tiles): each output stream reads them from there, not from
-shared memory n times. A stream tile is BLOCK_T * BLOCK_C / (32 * num_warps) elements per thread; the default
-shapes (``DxConfig``) keep it at 16 (n = 2, 4) or 8 (n = 8) so n such tiles fit beside the accumulator.
+dY_j and dz (the MMA's A operand) stay in registers for the whole block: each output stream reads them from there,
+not from shared memory n times. A stream tile is BLOCK_T * BLOCK_C / (32 * num_warps) elements per thread; the
+default shapes (``DxConfig``) keep it at 16 (n = 2, 4) or 8 (n = 8) so n such tiles fit beside the accumulator
+(sm_90 builds: the compute warps use up to 118 / 164 / 177 of their 240 registers at n = 2 / 4 / 8, no spills).
+With the wgmma, a stream's projection runs while the next stream's elementwise terms are computed.
 
 There is no interpreter for Gluon: this kernel runs on sm_90 only (``cakeops._gluon.available``); the Triton
 kernels stay the path everywhere else and its numerical twin. tests/test_gluon_builds.py compiles every variant the
@@ -258,8 +261,8 @@ def _dx_compute(descs, bufs, bars, c0, first, blocks, N: gl.constexpr, WGMMA: gl
 
 @gluon.jit
 def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc, FN, C, stride_fn, columns,
-               blocks_per_split, token_blocks, N: gl.constexpr, WGMMA: gl.constexpr, WARPS_C: gl.constexpr,
-               num_warps: gl.constexpr):
+                     blocks_per_split, token_blocks, N: gl.constexpr, WGMMA: gl.constexpr, WARPS_C: gl.constexpr,
+                     num_warps: gl.constexpr):
     """dX for one column chunk (program_id % columns) over one range of token blocks (program_id // columns).
 
     Descriptors: X, dY, dX rank 3 ([T, n, C], boxes [BLOCK_T, 1, BLOCK_C]); dU rank 2 ([T, C]); dz [T, M] in
