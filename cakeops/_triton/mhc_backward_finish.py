@@ -20,6 +20,8 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
+On sm_90 with bf16 / fp16 data, kernel B runs in Gluon instead (cakeops/_gluon/mhc_backward_dx.py: TMA, warp
+specialization, the same arithmetic); ``CAKEOPS_GLUON=0`` keeps the Triton kernels there too.
 Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
@@ -32,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _gluon
 from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
@@ -418,6 +421,44 @@ def _dfn_fit(cfg: FinishConfig, target, n: int, C: int, dtype: torch.dtype, atom
                           lambda c: (_dfn_kernel, args, _dfn_options(c, n, C, dtype, atomic)))
 
 
+def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, stats: torch.Tensor,
+              dz: torch.Tensor, dX: torch.Tensor, fn_t: torch.Tensor, cfg: FinishConfig, split: _Split,
+              precision: str) -> None:
+    """Kernel B: dX from kernel A's dz rows ``dz`` (FP32 [T * M_PAD]). In Gluon where it serves (sm_90, bf16 /
+    fp16: cakeops/_gluon/mhc_backward_dx.py, the same dX), else _dx_kernel over ``split``'s grid, or
+    _dx_stream_kernel (``cfg.dx_by_stream``, reading fn^T from ``fn_t`` when ``cfg.stream_fn_k_major``). ``cfg``:
+    resolved for X's n; ``precision``: the projection's input precision."""
+    if _gluon.takes_dx(X, dY, dU, stats, dz, dX):
+        _gluon.dx(X, dY, dU, fn, stats, dz, dX)
+        return
+    T, n, C = X.shape
+    M, m_pad = 2 * n + n * n, logits_pad(n)
+    strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
+               dX.stride(0), dX.stride(1))
+    if cfg.dx_by_stream:
+        block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
+        fn_b = fn
+        if cfg.stream_fn_k_major:
+            fn_b = fn_t.view(n * C, M)
+            fast(_transpose_kernel)[(cdiv(n * C, 64),)](fn, fn_b, M, n * C, fn.stride(0), M,
+                                                         BLOCK_R=next_power_of_2(M), BLOCK_K=64, num_warps=4)
+            strides = strides[:5] + (fn_b.stride(0),) + strides[6:]
+        fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
+            X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
+            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
+            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
+            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1,
+            **register_cap(cfg.stream_maxnreg),
+        )
+    else:
+        fast(_dx_kernel)[(split.columns, split.splits)](
+            X, dY, dU, fn, stats, dz, dX, T, C, split.blocks_per_split, *strides,
+            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=split.block_c,
+            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages),
+            **register_cap(cfg.maxnreg),
+        )
+
+
 def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                     base: torch.Tensor, stats: torch.Tensor, grad_stats: torch.Tensor, rms_eps: float,
                     hc_eps: float, sinkhorn_iters: int, dX: torch.Tensor, dfn: torch.Tensor, dscale: torch.Tensor,
@@ -476,30 +517,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     )
     if not atomic:  # right away, while A's partials are in L2
         reduce_params(part, dbase, dscale, plan.dlogits_programs, accumulate, n)
-    strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
-               dX.stride(0), dX.stride(1))
-    if cfg.dx_by_stream:
-        block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
-        fn_b = fn
-        if cfg.stream_fn_k_major:
-            fn_b = fn_t.view(n * C, M)
-            fast(_transpose_kernel)[(cdiv(n * C, 64),)](fn, fn_b, M, n * C, fn.stride(0), M,
-                                                         BLOCK_R=next_power_of_2(M), BLOCK_K=64, num_warps=4)
-            strides = strides[:5] + (fn_b.stride(0),) + strides[6:]
-        fast(_dx_stream_kernel)[(n * cdiv(T, cfg.stream_block_t) * cdiv(C, block_c),)](
-            X, dY, dU, fn_b, stats, dz, dX, T, C, *strides,
-            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.stream_block_t, BLOCK_C=block_c,
-            BLOCK_K=cfg.stream_block_k, GROUP_T=cfg.stream_group_t, FN_K_MAJOR=cfg.stream_fn_k_major,
-            K_STAGES=cfg.stream_k_stages, num_warps=cfg.stream_warps, num_stages=1,
-            **register_cap(cfg.stream_maxnreg),
-        )
-    else:
-        fast(_dx_kernel)[(plan.dx.columns, plan.dx.splits)](
-            X, dY, dU, fn, stats, dz, dX, T, C, plan.dx.blocks_per_split, *strides,
-            N=n, M_PAD=m_pad, PRECISION=precision, BLOCK_T=cfg.block_t, BLOCK_C=plan.dx.block_c,
-            X_PER_STREAM=cfg.x_per_stream, num_warps=cfg.warps, **pipeline_stages(cfg.stages),
-            **register_cap(cfg.maxnreg),
-        )
+    launch_dx(X, dY, dU, fn, stats, dz, dX, fn_t, cfg, plan.dx, precision)
     split_bf16 = _dfn_split_bf16(cfg, X.dtype)
     dz_c, dz_lo = dz, dz
     if split_bf16 and cfg.dfn_presplit:
