@@ -142,7 +142,7 @@ def test_gluon_available_only_on_sm90_with_16_bit_data(monkeypatch):
     if torch.cuda.is_available():
         monkeypatch.setenv("CAKEOPS_GLUON", "0")
         assert not _gluon.available(torch.device("cuda"), torch.bfloat16, 4)
-        monkeypatch.delenv("CAKEOPS_GLUON")
+        monkeypatch.setenv("CAKEOPS_GLUON", "1")
         assert not _gluon.available(torch.device("cuda"), torch.float32, 4)
         assert not _gluon.available(torch.device("cuda"), torch.bfloat16, 3)
         assert _gluon.available(torch.device("cuda"), torch.bfloat16, 4) == (

@@ -50,6 +50,12 @@ def _dtype_id(dtype):
     return str(dtype).replace("torch.", "")
 
 
+@pytest.fixture(autouse=True)
+def gluon_on(monkeypatch):
+    """The Gluon path taken (it is off by default until a GPU has checked it: _gluon.DEFAULT_ON)."""
+    monkeypatch.setenv("CAKEOPS_GLUON", "1")
+
+
 @pytest.fixture
 def gen(request):
     """A CUDA generator seeded from the test id: every parametrization draws its own inputs."""
@@ -170,6 +176,7 @@ def test_gluon_dx_leaves_tensors_tma_cannot_address_to_triton(gen):
 
 
 def test_gluon_switch_reads_the_environment_per_call(monkeypatch):
+    monkeypatch.setenv("CAKEOPS_GLUON", "1")
     assert _gluon.available(torch.device(DEVICE), torch.bfloat16, 4)
     monkeypatch.setenv("CAKEOPS_GLUON", "0")
     assert not _gluon.available(torch.device(DEVICE), torch.bfloat16, 4)

@@ -14,6 +14,9 @@ import torch
 # compat.py); any other triton takes the Triton kernels.
 SUPPORTED_TRITON = ((3, 6), (3, 7), (3, 8))
 DTYPES = (torch.bfloat16, torch.float16)
+# Off by default until a GPU has run the kernels against their Triton twins (built and checked for sm_90 on CPU
+# only, 2026-12-04: docs/internals.md); CAKEOPS_GLUON=1 takes them, =0 never.
+DEFAULT_ON = False
 STREAMS = (2, 4, 8)
 
 
@@ -37,15 +40,21 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
+def switched_on() -> bool:
+    """``CAKEOPS_GLUON``: "1" on, "0" off, unset: ``DEFAULT_ON``."""
+    chosen = os.environ.get("CAKEOPS_GLUON")
+    return DEFAULT_ON if chosen is None else chosen != "0"
+
+
 def available(device: torch.device, dtype: torch.dtype, n: int) -> bool:
     """Whether a Gluon kernel serves tensors of ``dtype`` with ``n`` streams on ``device``: a CUDA device of
     capability (9, 0) (H100 / H200: the kernels use sm_90's TMA and wgmma, built and checked for it alone), bf16
     or fp16, n in {2, 4, 8}, a triton whose Gluon imports (``importable``), not the interpreter, and
-    ``CAKEOPS_GLUON`` not "0" (read on each call: set it to time or test the Triton kernels on the same GPU)."""
+    ``switched_on`` (read on each call: the bench and tests time and test both kernels on the same GPU)."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in DTYPES or n not in STREAMS:
         return False
-    if os.environ.get("CAKEOPS_GLUON", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not switched_on() or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if not torch.cuda.is_available() or torch.version.hip is not None:
         return False

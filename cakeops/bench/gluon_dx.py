@@ -29,12 +29,9 @@ from .core import gbps, median_ms
 
 @contextlib.contextmanager
 def kernel_b(which: str):
-    """Within: backward_finish runs kernel B as ``which`` says ("triton": CAKEOPS_GLUON=0, "gluon": unset)."""
+    """Within: backward_finish runs kernel B as ``which`` says ("triton": CAKEOPS_GLUON=0, "gluon": =1)."""
     before = os.environ.get("CAKEOPS_GLUON")
-    if which == "triton":
-        os.environ["CAKEOPS_GLUON"] = "0"
-    else:
-        os.environ.pop("CAKEOPS_GLUON", None)
+    os.environ["CAKEOPS_GLUON"] = "0" if which == "triton" else "1"
     try:
         yield
     finally:
