@@ -35,6 +35,44 @@ def default_group_size(n_streams: int, n_layers: int) -> int:
     return max(1, min(n_layers, n_streams))
 
 
+class _Expanded:
+    """The streams StreamExpand made from a hidden state h (each stream a copy of h) -> h: a group whose first input
+    they are keeps h (C values per token) instead of the n streams, and rebuilds its first layer's streams too
+    (design.md §6). Keyed by the streams tensor's identity, weakly; the versions of both at the copy say whether
+    either was modified since (then the streams are not h's copies any more, or h not what was copied)."""
+
+    def __init__(self):
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._roots = WeakIdKeyDictionary()
+
+    def note(self, X: Tensor, h: Tensor) -> None:
+        # h held as long as X lives (the value of a weak key): it is C values per token to X's n * C, and a traced
+        # graph frees h right after the copy
+        self._roots[X] = (h, X._version, h._version)
+
+    def root(self, X: Tensor) -> Optional[Tensor]:
+        """h where X is StreamExpand's output of h (or a whole view of it: FSDP2 hands a module its inputs through an
+        autograd Function, as views), both unmodified since, else None."""
+        entry = self._roots.get(X)
+        base = X._base
+        if entry is None and base is not None and (X.shape, X.stride(), X.storage_offset()) == (
+                base.shape, base.stride(), base.storage_offset()):
+            entry = self._roots.get(base)
+        if entry is None:
+            return None
+        h, X_version, h_version = entry
+        return h if (X._version, h._version) == (X_version, h_version) else None
+
+
+expanded = _Expanded()
+
+
+def root_streams(h: Tensor, n: int) -> Tensor:
+    """h [..., C] seen as the n streams StreamExpand copied from it, [T, n, C] (stride 0 across the streams)."""
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).reshape(-1, n, h.shape[-1])
+
+
 class _Signature:
     """What identifies a layer's output without keeping it alive: its storage (weakly), offset, shape, strides
     and version."""
@@ -55,14 +93,21 @@ class StreamGroup:
     read -- so that layer k's input is k finishes of X0. ``rebuilt[k]``: layer k's streams while its backward
     needs them."""
 
-    def __init__(self, X0: Tensor):
+    def __init__(self, X0: Tensor, root: Optional[Tensor] = None):
         self.X0 = X0
+        self.root = root  # h where X0 is StreamExpand's copy of it: X0 is then h's stride-0 view, layer 0 rebuilds
+        self.root_version = None if root is None else root._version
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
         self.rebuilt = {}
         self.table = None  # the rebuild kernel's table of the group's layers, made at the first rebuild
 
     def streams(self, k: int) -> Tensor:
         if k not in self.rebuilt:
+            if self.root is not None and self.root._version != self.root_version:
+                raise RuntimeError(
+                    "cakeops.nn.recompute_mhc: the hidden state given to StreamExpand was modified in place after "
+                    "StreamExpand copied it into the streams; the backward rebuilds the first mHC layers' streams "
+                    "from it. Modify a clone, or turn recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             if self.X0 is None or any(link is None for link in self.links[:k]):
                 raise RuntimeError(
                     "cakeops.nn.recompute_mhc: a backward needs an mHC layer's residual streams, which its group "
@@ -81,18 +126,19 @@ class StreamGroup:
         if k < len(self.links):
             self.links[k] = None  # no later rebuild reads layer k's column of the table: earlier layers' remain
         if k == 0:
-            self.X0, self.table = None, None
+            self.X0, self.root, self.table = None, None, None
 
 
 class StreamLink:
-    """A layer's place in its group: ``k`` = 0 keeps X (the group's first layer), k > 0 has it rebuilt."""
+    """A layer's place in its group: ``k`` = 0 keeps X (the group's first layer) unless the group has a root (then
+    its X is rebuilt from h as well), k > 0 has it rebuilt."""
 
     def __init__(self, group: StreamGroup, k: int):
         self.group, self.k = group, k
 
     @property
     def rebuilds(self) -> bool:
-        return self.k > 0
+        return self.k > 0 or self.group.root is not None
 
     def streams(self) -> Tensor:
         return self.group.streams(self.k)
@@ -126,7 +172,8 @@ class RecomputePlan:
         group = self._open
         if group is not None and len(group.links) < self.group_size and self._last.matches(X):
             return StreamLink(group, len(group.links))
-        self._open = StreamGroup(X3)
+        root = expanded.root(X)
+        self._open = StreamGroup(X3) if root is None else StreamGroup(root_streams(root, X3.shape[1]), root)
         return StreamLink(self._open, 0)
 
     def leave(self, link: Optional[StreamLink], Y: Tensor) -> None:
@@ -152,18 +199,21 @@ class OpChain:
     finish ops' autograd is set up: in forward order, once per trace (AOTAutograd's, under torch.compile) or per
     eager call. A layer joins the open group when its X is the very tensor object the group's last layer returned,
     unmodified since (a traced graph is functional: any op between two layers gives a new object, so only a direct
-    chain joins, and a rebuild reads exactly the tensors the forward's finishes read). Held weakly: a group's
-    tensors live where its layers saved them."""
+    chain joins, and a rebuild reads exactly the tensors the forward's finishes read). A group whose first input is
+    StreamExpand's output (``expanded``, noted by the ``stream_expand`` op) is rooted at its h. Held weakly: a
+    group's tensors live where its layers saved them."""
 
     def __init__(self):
         self._last = None  # (weakref to the last layer's output, its version)
-        self._X0 = None
+        self._X0 = None  # the group's first input, or its root h
+        self._rooted = False
         self._links: List[Tuple["weakref.ref", "weakref.ref"]] = []
 
-    def enter(self, X: Tensor, group_size: int) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]]]]:
-        """(X0, the earlier layers' (B, stats)) for a layer that joins the open group, or None for one that starts
-        a group (it keeps X). Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and closes
-        the group, as on the eager path."""
+    def enter(self, X: Tensor, group_size: int) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]], bool]]:
+        """(X0 or the root h, the earlier layers' (B, stats), rooted) for a layer whose X the backward rebuilds --
+        one that joins the open group, or the first of a rooted group -- else None: the layer starts a group and
+        keeps X. Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and closes the group, as on
+        the eager path."""
         last, self._last = self._last, None
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             self.close()
@@ -173,9 +223,10 @@ class OpChain:
             X0 = self._X0()
             links = [(B(), stats()) for B, stats in self._links]
             if X0 is not None and all(B is not None and s is not None for B, s in links):
-                return X0, links
-        self._X0, self._links = weakref.ref(X), []
-        return None
+                return X0, links, self._rooted
+        root = expanded.root(X)
+        self._X0, self._rooted, self._links = weakref.ref(X if root is None else root), root is not None, []
+        return None if root is None else (root, [], True)
 
     def leave(self, Y: Tensor, B: Tensor, stats: Tensor) -> None:
         """The layer's finish returned Y from (B, stats): the next layer of the group must take Y itself."""
@@ -185,7 +236,7 @@ class OpChain:
         self._last = (weakref.ref(Y), Y._version)
 
     def close(self) -> None:
-        self._last, self._X0, self._links = None, None, []
+        self._last, self._X0, self._rooted, self._links = None, None, False, []
 
 
 op_chain = OpChain()

@@ -262,6 +262,8 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     plan = None if group_size == 1 else _recompute.RecomputePlan(group_size)
     for layer in layers:
         layer._recompute = plan
+    for expand in (m for m in module.modules() if isinstance(m, StreamExpand)):
+        expand._recompute = plan is not None
     return module
 
 
@@ -293,6 +295,7 @@ class StreamExpand(nn.Module):
         from . import _mhc_args
 
         self.n_streams = _mhc_args.n_streams("n_streams", n_streams)
+        self._recompute = False  # set by recompute_mhc: the first group's streams are rebuilt from h
 
     def extra_repr(self) -> str:
         return f"n_streams={self.n_streams}"
@@ -302,6 +305,14 @@ class StreamExpand(nn.Module):
             got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
             raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
                              f"{self.n_streams} residual streams, got {got}")
+        if getattr(self, "_recompute", False) and torch.is_grad_enabled():
+            from . import _recompute, _traced
+
+            if _traced.through_ops():  # compiled / dispatch modes: the op notes its output for the ops' groups
+                return torch.ops.cakeops.stream_expand(h, self.n_streams)
+            X = h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
+            _recompute.expanded.note(X, h)
+            return X
         return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
 
 

@@ -81,12 +81,14 @@ def test_compiled_model_keeps_only_group_inputs_and_rebuilds_in_the_backward():
     want, without = _compiled_grads(plain, tokens)
     got, graphs = _compiled_grads(rc, tokens)
     _assert_bitwise(want, got)
-    assert graphs.rebuilds(graphs.backward) == [1, 1, 2, 2, 3, 3] and not graphs.rebuilds(graphs.forward)
+    # the first group rooted at StreamExpand's h: its first layer rebuilds too (through no layer)
+    assert graphs.rebuilds(graphs.backward) == [0, 1, 1, 2, 2, 3, 3] and not graphs.rebuilds(graphs.forward)
     assert not graphs.rebuilds(without.backward)
-    streams_bytes = 2 * 12 * 4 * 32 * 4  # X of one layer: [tokens, n, C] FP32
+    streams_bytes, h_bytes = 2 * 12 * 4 * 32 * 4, 2 * 12 * 32 * 4  # one layer's X [tokens, n, C], h: FP32
     saved_without = sum(t.untyped_storage().nbytes() for t in without.saved().values())
     saved_with = sum(t.untyped_storage().nbytes() for t in graphs.saved().values())
-    assert saved_without - saved_with == 6 * streams_bytes, (saved_without, saved_with)
+    # no follower's X (6), and h instead of the first group's X0
+    assert saved_without - saved_with == 7 * streams_bytes - h_bytes, (saved_without, saved_with)
 
 
 def test_inductor_compiled_model_with_recompute_matches_without():
@@ -135,7 +137,7 @@ def test_streams_and_dtypes(n, dtype):
         torch.compile(model, fullgraph=True, backend=graphs.backend)(x).backward(g)
         results.append(([x.grad] + [p.grad for p in model.parameters()], graphs))
     _assert_bitwise(results[0][0], results[1][0])
-    assert results[1][1].rebuilds(results[1][1].backward) == [1, 1, 2]  # groups (0, 1, 2) and (3, 4)
+    assert results[1][1].rebuilds(results[1][1].backward) == [0, 1, 1, 2]  # groups (0, 1, 2) rooted, (3, 4)
 
 
 def test_an_op_between_layers_starts_a_new_group():
@@ -152,7 +154,7 @@ def test_an_op_between_layers_starts_a_new_group():
         grads.append([x.grad] + [p.grad for p in model.parameters()])
         rebuilds = graphs.rebuilds(graphs.backward)
     _assert_bitwise(*grads)
-    assert rebuilds == [1, 1]  # layers 1 and 3, each after its group's first: none across the op
+    assert rebuilds == [0, 1, 1]  # layers 0 (rooted at h), 1 and 3: none across the op
 
 
 def test_checkpointed_blocks_under_compile():
@@ -174,7 +176,8 @@ def test_compiled_branches_in_eager_layers_recompute(eager_rebuilds):
             block.branch.compile(fullgraph=True, backend="aot_eager")
     tokens = torch.randint(0, 30, (2, 9), device=DEVICE)
     _assert_bitwise(_grads(plain, tokens), _grads(rc, tokens))
-    assert sorted(eager_rebuilds) == sorted(2 * [1, 2, 3])  # 4 layers, one group: 3 followers, each asked twice
+    # 4 layers, one group rooted at StreamExpand's h: every layer rebuilt, each asked twice
+    assert sorted(eager_rebuilds) == sorted(2 * [0, 1, 2, 3])
 
 
 class _Passthrough(TorchDispatchMode):
@@ -199,7 +202,7 @@ def test_eager_calls_under_a_dispatch_mode_use_the_ops_groups(op_rebuilds, eager
     want = _grads(plain, tokens)
     with _Passthrough():
         got = _grads(rc, tokens)
-        assert sorted(op_rebuilds) == [1, 2, 3] and not eager_rebuilds
+        assert sorted(op_rebuilds) == [0, 1, 2, 3] and not eager_rebuilds
         rc.zero_grad(set_to_none=True)
         loss = rc.loss(tokens)
         loss.backward(retain_graph=True)
@@ -228,7 +231,7 @@ def test_in_place_change_between_eager_layers_starts_a_new_group(op_rebuilds):
 
     with _Passthrough():
         got = run(True)
-    assert sorted(op_rebuilds) == [1, 1]
+    assert sorted(op_rebuilds) == [0, 1, 1]  # layer 0 from h; layers 1 and 3
     cnn.recompute_mhc(model, 1)
     _assert_bitwise(run(False), got)
 

@@ -123,17 +123,26 @@ def mhc_finish(op: str, X, B, stats, leading_dims: bool = True) -> None:
     record(op, "stats", stats, X, layout.stats_width(n_streams(X)))
 
 
+def stream_expand(op: str, h, n) -> None:
+    tensor(op, "h", h, dtypes=FLOAT_DTYPES)
+    if h.dim() < 1:
+        raise ValueError(f"{op}: h: expected a hidden state [..., C] (at least 1 dim), got shape {tuple(h.shape)}")
+    if n not in layout.SUPPORTED_STREAMS:
+        raise NotImplementedError(f"{op}: n: {layout.unsupported_streams_message(n)}")
+
+
 def group_size(op: str, size) -> None:
     if type(size) is not int or size < 2:
         raise ValueError(f"{op}: group_size: expected an int >= 2 (a stream-recompute group), got {size!r}")
 
 
 def mhc_rebuild(op: str, X0, Bs, records) -> None:
-    """X0 [T, n, C] and, per layer to finish through, B [T, C] and its record [T, STATS_WIDTH(n)]."""
+    """X0 [T, n, C] and, per layer to finish through (none: X0 itself, materialized), B [T, C] and its record
+    [T, STATS_WIDTH(n)]."""
     streams(op, "X0", X0)
-    if len(Bs) != len(records) or not Bs:
-        raise ValueError(f"{op}: expected one record per branch output and at least one layer, got "
-                         f"{len(Bs)} branch outputs and {len(records)} records")
+    if len(Bs) != len(records):
+        raise ValueError(f"{op}: expected one record per branch output, got {len(Bs)} branch outputs and "
+                         f"{len(records)} records")
     for k, (B, stats) in enumerate(zip(Bs, records)):
         mhc_finish(op, X0, B, stats, leading_dims=False)
 

@@ -93,3 +93,8 @@ def mhc_finish_rc(X, B, stats, edge_dy, edge_gs, edge_x, group_size: int):
 def mhc_rebuild(X0, Bs, records, after):
     checks.mhc_rebuild("cakeops::mhc_rebuild", X0, Bs, records)
     return torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)
+
+
+def stream_expand(h, n: int):
+    checks.stream_expand("cakeops::stream_expand", h, n)
+    return torch.empty((*h.shape[:-1], n, h.shape[-1]), dtype=h.dtype, device=h.device)

@@ -15,7 +15,7 @@ from cakeops.cake_mhc_train import (
     cake_mhc_train_forward_prepare, cake_mhc_train_forward_stats, cake_mhc_train_head_backward,
     cake_mhc_train_head_forward,
 )
-from cakeops.nn import MHC, recompute_mhc
+from cakeops.nn import MHC, StreamExpand, recompute_mhc
 from cakeops.cake_rmsnorm_train import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
 from cakeops.meta.mhc_head_layout import HEAD_STATS_WIDTH
 from cakeops.meta.mhc_layout import GRAD_STATS_WIDTH, N_LOGITS, STATS_WIDTH
@@ -118,9 +118,12 @@ CASES = [
     ("mhc_rebuild", "a record narrower than the layout", dict(stats=lambda a: a["stats"][:, :32]),
      lambda a: cake_mhc_train_forward_finish(a["X"], a["B"], a["stats"]),
      lambda a: ops.mhc_rebuild(a["X"], [a["B"]], [a["stats"]], a["dY"])),
-    ("mhc_rebuild", "no layer to finish through", {},
-     lambda a: recompute_mhc(torch.nn.Linear(2, 2)),
-     lambda a: ops.mhc_rebuild(a["X"], [], [], a["dY"])),
+    ("mhc_rebuild", "a record missing", {},
+     lambda a: cake_mhc_train_forward_finish(a["X"], a["B"], None),
+     lambda a: ops.mhc_rebuild(a["X"], [a["B"]], [], a["dY"])),
+    ("stream_expand", "3 streams", {},
+     lambda a: StreamExpand(3),
+     lambda a: ops.stream_expand(a["B"], 3)),
     ("mhc_head_fwd", "X without a stream dim", dict(X=lambda a: a["X"].reshape(T, N * C)),
      lambda a: cake_mhc_train_head_forward(a["X"]),
      lambda a: ops.mhc_head_fwd(a["X"])),

@@ -149,6 +149,8 @@ def rebuild_impl(X0: Tensor, links, table: Optional[Tensor] = None) -> Tensor:
     exact)."""
     X0 = unit_last(X0)
     links = [rebuild_link(B, stats) for B, stats in links]
+    if not links:  # a group's first layer rebuilt from its root (StreamExpand's h, X0 its stride-0 view)
+        return X0.clone(memory_format=torch.contiguous_format)
     if _kernel_rebuilds(X0, links):
         from .._triton import mhc_forward as kernels
         Y = torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)

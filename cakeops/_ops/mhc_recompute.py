@@ -103,11 +103,12 @@ def _backward_prepare_node(ctx, dU, d_stats, dY, grad_stats, X):
 def _setup_finish(ctx, inputs, output):
     X, B, stats, _, _, _, group_size = inputs
     group = _recompute.op_chain.enter(X, group_size)
-    ctx.k = 0 if group is None else len(group[1])
+    ctx.rebuilds, ctx.k, ctx.n = group is not None, 0, X.shape[-2]
     if group is None:
         ctx.save_for_backward(X, B, stats)
     else:
-        X0, links = group
+        X0, links, ctx.rooted = group
+        ctx.k = len(links)
         ctx.save_for_backward(X0, B, stats, *(b for b, _ in links), *(s for _, s in links))
     _recompute.op_chain.leave(output, B, stats)
     ctx.set_materialize_grads(False)
@@ -119,11 +120,40 @@ def _backward_finish_node(ctx, dY):
     saved, k = ctx.saved_tensors, ctx.k
     X, B, stats = saved[:3]
     dY3 = flat(dY, 3)
-    if k:  # X is X0: rebuild the layer's streams through the k layers before it
+    if ctx.rebuilds:  # X is the group's X0 (or its root h): rebuild through the k layers before this one
+        X0 = _recompute.root_streams(X, ctx.n) if ctx.rooted else flat(X, 3)
         Bs, records = saved[3:3 + k], saved[3 + k:]
-        X = torch.ops.cakeops.mhc_rebuild(flat(X, 3), [flat(b, 2) for b in Bs], list(records), dY3)
+        X = torch.ops.cakeops.mhc_rebuild(X0, [flat(b, 2) for b in Bs], list(records), dY3)
     grads = finish_backward(torch.ops.cakeops.mhc_backward_prepare, X, B, stats, dY)
     return grads + (flat(X, 3), None)
+
+
+# ---- StreamExpand's op on the same path: its output noted as a group's possible root ----
+
+def _stream_expand(h: Tensor, n: int) -> Tensor:
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).clone(memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("cakeops::stream_expand", mutates_args=())
+def stream_expand(h: Tensor, n: int) -> Tensor:
+    """h [..., C] copied into n streams [..., n, C] (nn.StreamExpand under recompute_mhc, on the op path)."""
+    checks.stream_expand("cakeops::stream_expand", h, n)
+    return _stream_expand(h, n)
+
+
+inductor.register_fake(stream_expand, fake.stream_expand, unchecked=_stream_expand)
+
+
+def _setup_expand(ctx, inputs, output):
+    _recompute.expanded.note(output, inputs[0])
+    ctx.set_materialize_grads(False)
+
+
+def _backward_expand(ctx, dX):
+    return (None if dX is None else dX.sum(-2)), None  # expand's own backward: the sum over the streams
+
+
+stream_expand.register_autograd(_backward_expand, setup_context=_setup_expand)
 
 
 mhc_prepare_rc.register_autograd(_backward_prepare_node, setup_context=_setup_prepare)
