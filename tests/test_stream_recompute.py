@@ -281,9 +281,10 @@ def _activation_peak(model, tokens) -> int:
                     reason="counts CPU tensors through glibc's mallinfo2 (Linux, CPU tensors)")
 def test_activation_memory_ratio():
     """The memory saving, guarded: a Llama-like stack (bench model_zoo, 4 blocks = 8 mHC layers, FP32, CPU reference
-    math), peak activation bytes of a step over the plain-residual model's: cakeops keeps the streams (1.55x
-    measured), recompute_mhc with its default group (all 8 layers) 1.25x -- what this design keeps (B, a share of
-    X0, the records) and holds while a layer's backward runs (its rebuilt streams), design.md §6. A layer that kept
+    math; the eager path), peak activation bytes of a step over the plain-residual model's, the loss's share small
+    (vocab 256): cakeops keeps the streams (1.54x measured), recompute_mhc with its default groups (n = 4 layers,
+    the first rooted at StreamExpand's h) 1.27x -- what this design keeps (B, a share of X0, the records) and holds
+    while a layer's backward runs (its rebuilt streams and the n-stream gradient), design.md §6. A layer that kept
     its streams again would put it back above 1.45x."""
     from cakeops.bench.model_zoo import Config, build
 
@@ -293,7 +294,7 @@ def test_activation_memory_ratio():
              for v in ("plain", "cakeops", "cakeops-recompute")}
     ratio = {v: peaks[v] / peaks["plain"] for v in peaks}
     assert ratio["cakeops"] > 1.45, ratio  # the streams kept: what recompute is for
-    assert ratio["cakeops-recompute"] <= 1.32 and ratio["cakeops"] - ratio["cakeops-recompute"] >= 0.2, ratio
+    assert ratio["cakeops-recompute"] <= 1.3 and ratio["cakeops"] - ratio["cakeops-recompute"] >= 0.2, ratio
 
 
 class _LiveTensorBytes(TorchDispatchMode):
@@ -333,7 +334,7 @@ def _step_peak_through_dispatch(model, tokens) -> int:
 def test_peak_memory_ratio_through_a_dispatch_mode():
     """The bench's ratio (peak above the weights over plain residual's, loss included) on a small Llama-like stack of
     the bench's proportions (vocab / hidden as C=2048 / vocab 32000), 4 and 8 blocks: recompute_mhc at most 1.2x
-    (measured 1.14x / 1.17x; cakeops without it 1.31x / 1.38x). The activations alone: test_activation_memory_ratio."""
+    (measured 1.12x / 1.16x; cakeops without it 1.31x / 1.38x). The activations alone: test_activation_memory_ratio."""
     from cakeops.bench.model_zoo import Config, build
 
     for blocks in (4, 8):
