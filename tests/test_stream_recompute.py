@@ -478,3 +478,28 @@ def test_cuda_graphs_eager_capture_and_reduce_overhead():
         want, got = grads(plain, compiled[plain]), grads(rc, compiled[rc])
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"reduce-overhead: gradient {i}"
+
+
+def test_hidden_state_modified_after_stream_expand():
+    """A group rooted at StreamExpand's h must not rebuild from a changed h: changed before the first layer, the
+    group keeps the streams instead (same gradients as without recompute); changed after, the backward raises."""
+    C = 16
+    plain = _stack(4, C, 3)
+    rc = cnn.recompute_mhc(copy.deepcopy(plain), 3)
+    h0, dY = torch.randn(2, 3, C, device=DEVICE), torch.randn(2, 3, C, device=DEVICE)
+
+    def run(model, modify_after_layer):
+        model.zero_grad(set_to_none=True)
+        leaf = h0.clone().requires_grad_()
+        h = leaf * 1.0
+        X = model[0](h)
+        for i, layer in enumerate(model[1:-1]):
+            if i == modify_after_layer:
+                h.mul_(2.0)
+            X = layer(X)
+        model[-1](X).backward(dY)
+        return [leaf.grad] + [p.grad for p in model.parameters()]
+
+    _assert_bitwise(run(plain, 0), run(rc, 0))  # before the first layer: not rooted
+    with pytest.raises(RuntimeError, match="StreamExpand.*modified in place"):
+        run(rc, 1)
