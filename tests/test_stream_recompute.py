@@ -505,3 +505,24 @@ def test_hidden_state_modified_after_stream_expand():
     _assert_bitwise(run(plain, 0), run(rc, 0))  # before the first layer: not rooted
     with pytest.raises(RuntimeError, match="StreamExpand.*modified in place"):
         run(rc, 1)
+
+
+def test_rebuild_tables_are_kept_by_their_addresses(triton_kernels):
+    """A rebuild table is a function of the addresses it holds: the same layers give the same table (no new pinned
+    copy per compiled rebuild), other layers another, and the rebuild through a kept table is still bitwise the
+    chained finishes."""
+    from cakeops._ops import mhc as ops
+    from cakeops._triton import mhc_forward as kernels
+    from cakeops.meta import mhc_layout as layout
+
+    T, n, C = 3, 4, 32
+    X0 = torch.randn(T, n, C, device=DEVICE)
+    links = [(torch.randn(T, C, device=DEVICE), torch.randn(T, layout.stats_width(n), device=DEVICE))
+             for _ in range(2)]
+    first = kernels.rebuild_table([B for B, _ in links], [s for _, s in links], X0.device)
+    assert kernels.rebuild_table([B for B, _ in links], [s for _, s in links], X0.device) is first
+    other = kernels.rebuild_table([links[1][0], links[0][0]], [s for _, s in links], X0.device)
+    assert other is not first and other[0].tolist() == [links[1][0].data_ptr(), links[0][0].data_ptr()]
+    chained = ops.finish_impl(ops.finish_impl(X0, *links[0]), *links[1])
+    for _ in range(2):
+        assert torch.equal(ops.rebuild_impl(X0, links), chained)

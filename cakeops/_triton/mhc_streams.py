@@ -10,6 +10,7 @@ grid's second dimension.
 FP32 inside, streams summed in order, every output rounded once. Launchers do no argument validation;
 X / Y / dX are [T, n, C] with unit stride along C and any token / stream strides.
 """
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -157,13 +158,31 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     )
 
 
+_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_TABLES_KEPT = 64
+
+
 def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
     """The rebuild kernel's table of layers, int64 [3, K]: the branch outputs' addresses and row strides, the
     records' addresses. Pinned and non-blocking: a pageable copy would wait for the GPU's queue (measured: +15 %
-    on an eager step); made once per group, its first K' columns serve K' layers."""
-    rows = [[B.data_ptr() for B in Bs], [B.stride(0) for B in Bs], [s.data_ptr() for s in stats_list]]
-    is_cuda = torch.device(device).type == "cuda"
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda).to(device, non_blocking=True)
+    on an eager step); made once per group, its first K' columns serve K' layers.
+
+    Tables are kept by their contents (the last 64): a table is a function of the addresses it holds, so one made
+    for the same addresses serves again -- a compiled step allocates its buffers at the same addresses step after
+    step, and each compiled rebuild (an op, no group to keep a table) would otherwise pin host memory and copy."""
+    rows = ((B.data_ptr() for B in Bs), (B.stride(0) for B in Bs), (s.data_ptr() for s in stats_list))
+    rows = tuple(tuple(row) for row in rows)
+    key = (str(device), rows)
+    table = _TABLES.get(key)
+    if table is None:
+        is_cuda = torch.device(device).type == "cuda"
+        table = torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda).to(device, non_blocking=True)
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
 
 
 @dataclass(frozen=True)
