@@ -307,8 +307,11 @@ class StreamExpand(nn.Module):
                              f"{self.n_streams} residual streams, got {got}")
         if getattr(self, "_recompute", False) and torch.is_grad_enabled():
             from . import _recompute, _traced
+            from ._ops.sharding import is_dtensor
 
-            if _traced.through_ops():  # compiled / dispatch modes: the op notes its output for the ops' groups
+            # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their
+            # streams: the op has no sharding rule, so a DTensor h takes the plain path)
+            if _traced.through_ops() and not is_dtensor(h):
                 return torch.ops.cakeops.stream_expand(h, self.n_streams)
             X = h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
             _recompute.expanded.note(X, h)

@@ -188,6 +188,18 @@ def _dtensor_worker(rank, init_file, backend):
         for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, **tol, msg=lambda m: f"grad {name}: {m}")
 
+        # stream recompute on: DTensor layers (and StreamExpand of a DTensor h) keep their streams, same bits
+        from cakeops.nn import recompute_mhc
+
+        before = [p.grad.full_tensor().clone() for p in sharded.parameters()]
+        recompute_mhc(sharded)
+        sharded.zero_grad(set_to_none=True)
+        y_rc = sharded(distribute_tensor(h, mesh, [Shard(0)]).requires_grad_())
+        y_rc.backward(distribute_tensor(gy, mesh, [Shard(0)]))
+        for a, p in zip(before, sharded.parameters()):
+            assert torch.equal(a, p.grad.full_tensor())
+        recompute_mhc(sharded, 1)
+
         # a norm without weight: its ones meet the token-sharded input as a replicated parameter would
         plain = RMSNorm(DIM, elementwise_affine=False).to(device_type)
         spread = distribute_module(RMSNorm(DIM, elementwise_affine=False).to(device_type), mesh)
