@@ -225,7 +225,8 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     keep their residual streams for the backward only once per group of ``group_size`` consecutive layers, in
     forward order; the backward rebuilds the others' streams with the mHC kernels alone (never the branch),
     bit-identical to the forward, so gradients are bitwise those without it. Each layer still keeps its branch
-    output and its per-token record. Returns ``module``.
+    output and its per-token record; a group that starts at the output of a ``StreamExpand`` inside ``module``
+    keeps StreamExpand's input h (the n streams are n copies of it) instead. Returns ``module``.
 
     ``group_size``: an int >= 1; None takes n layers (4 at n = 4; at most the L layers found: DeepSeek's Eq. 20
     balances a group rebuilt all at once, cakeops rebuilds one layer at a time, see design.md §6); 1 turns recompute
