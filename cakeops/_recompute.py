@@ -68,9 +68,15 @@ class _Expanded:
 expanded = _Expanded()
 
 
+def stream_copies(h: Tensor, n: int) -> Tensor:
+    """h [..., C] as n streams [..., n, C], each h itself: a view, stride 0 across the streams (StreamExpand's
+    output is its contiguous copy)."""
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1])
+
+
 def root_streams(h: Tensor, n: int) -> Tensor:
     """h [..., C] seen as the n streams StreamExpand copied from it, [T, n, C] (stride 0 across the streams)."""
-    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).reshape(-1, n, h.shape[-1])
+    return stream_copies(h, n).reshape(-1, n, h.shape[-1])
 
 
 class _Signature:

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks, _traced
+from . import _checks, _recompute, _traced
 from ._ops.sharding import is_dtensor
 from .cake_rmsnorm_train import cake_rmsnorm
 
@@ -245,8 +245,6 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     >>> recompute_mhc(blocks)[0].recompute_group
     4
     """
-    from . import _recompute
-
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module holding cakeops.nn.MHC layers, got {type(module).__name__}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
@@ -306,18 +304,15 @@ class StreamExpand(nn.Module):
             got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
             raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
                              f"{self.n_streams} residual streams, got {got}")
-        if getattr(self, "_recompute", False) and torch.is_grad_enabled():
-            from . import _recompute, _traced
-            from ._ops.sharding import is_dtensor
-
-            # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their
-            # streams: the op has no sharding rule, so a DTensor h takes the plain path)
-            if _traced.through_ops() and not is_dtensor(h):
-                return torch.ops.cakeops.stream_expand(h, self.n_streams)
-            X = h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
+        rooting = getattr(self, "_recompute", False) and torch.is_grad_enabled()
+        # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their
+        # streams: the op has no sharding rule, so a DTensor h takes the plain path)
+        if rooting and _traced.through_ops() and not is_dtensor(h):
+            return torch.ops.cakeops.stream_expand(h, self.n_streams)
+        X = _recompute.stream_copies(h, self.n_streams).contiguous()
+        if rooting:
             _recompute.expanded.note(X, h)
-            return X
-        return h.unsqueeze(-2).expand(*h.shape[:-1], self.n_streams, h.shape[-1]).contiguous()
+        return X
 
 
 class MHCHead(_Mapping):

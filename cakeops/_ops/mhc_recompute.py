@@ -131,7 +131,7 @@ def _backward_finish_node(ctx, dY):
 # ---- StreamExpand's op on the same path: its output noted as a group's possible root ----
 
 def _stream_expand(h: Tensor, n: int) -> Tensor:
-    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).clone(memory_format=torch.contiguous_format)
+    return _recompute.stream_copies(h, n).clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("cakeops::stream_expand", mutates_args=())
