@@ -508,21 +508,32 @@ def test_hidden_state_modified_after_stream_expand():
 
 
 def test_rebuild_tables_are_kept_by_their_addresses(triton_kernels):
-    """A rebuild table is a function of the addresses it holds: the same layers give the same table (no new pinned
-    copy per compiled rebuild), other layers another, and the rebuild through a kept table is still bitwise the
-    chained finishes."""
+    """A rebuild table is a function of the addresses it holds: the same layers find their host table made (no new
+    pinned copy per compiled rebuild), other layers another, and the rebuild through a table is still bitwise the
+    chained finishes. The table handed out is the caller's alone: nothing of the device's stays behind the call
+    (a kept device table outlived a compiled rebuild in the CUDA-graph pool of mode="reduce-overhead": "tensors in
+    the cudagraph pool not tracked as outputs", seen on an H100)."""
     from cakeops._ops import mhc as ops
     from cakeops._triton import mhc_forward as kernels
+    from cakeops._triton import mhc_streams
     from cakeops.meta import mhc_layout as layout
 
     T, n, C = 3, 4, 32
     X0 = torch.randn(T, n, C, device=DEVICE)
     links = [(torch.randn(T, C, device=DEVICE), torch.randn(T, layout.stats_width(n), device=DEVICE))
              for _ in range(2)]
+    kept = len(mhc_streams._HOST_TABLES)
     first = kernels.rebuild_table([B for B, _ in links], [s for _, s in links], X0.device)
-    assert kernels.rebuild_table([B for B, _ in links], [s for _, s in links], X0.device) is first
+    again = kernels.rebuild_table([B for B, _ in links], [s for _, s in links], X0.device)
+    assert len(mhc_streams._HOST_TABLES) <= kept + 1 and torch.equal(again, first)
+    assert all(t.device.type == "cpu" for t in mhc_streams._HOST_TABLES.values())
+    assert all(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+               for t in mhc_streams._HOST_TABLES.values())
+    gone = weakref.ref(first)
+    del first, again
+    assert gone() is None, "a rebuild table outlives its caller"
     other = kernels.rebuild_table([links[1][0], links[0][0]], [s for _, s in links], X0.device)
-    assert other is not first and other[0].tolist() == [links[1][0].data_ptr(), links[0][0].data_ptr()]
+    assert other[0].tolist() == [links[1][0].data_ptr(), links[0][0].data_ptr()]
     chained = ops.finish_impl(ops.finish_impl(X0, *links[0]), *links[1])
     for _ in range(2):
         assert torch.equal(ops.rebuild_impl(X0, links), chained)

@@ -20,8 +20,6 @@ its own streaming kernel because A's Sinkhorn backward is latency-bound and stal
 carries it; dfn is a separate skinny GEMM (C) because accumulating it in B costs B the registers and layout
 changes that keep its loads in flight. The measurements behind each choice, and the designs measured and
 rejected (A fused into B, B through the tensor cores, other tile shapes), are in docs/perf.md.
-On sm_90 with bf16 / fp16 data, kernel B runs in Gluon instead (cakeops/_gluon/mhc_backward_dx.py: TMA, warp
-specialization, the same arithmetic); ``CAKEOPS_GLUON=0`` keeps the Triton kernels there too.
 Kernel B loads X as n per-stream tiles in the dY tiles' layout, so all of a tile's loads issue in one round;
 ``FinishConfig(x_per_stream=False)`` keeps X as one [n, BLOCK_T, BLOCK_C] tile, whose layout change through
 shared memory made the other loads wait for it (6 % slower on an H200, docs/perf.md).
@@ -34,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _gluon
 from .fast_launch import fast, tracing
 from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
@@ -424,13 +421,9 @@ def _dfn_fit(cfg: FinishConfig, target, n: int, C: int, dtype: torch.dtype, atom
 def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, stats: torch.Tensor,
               dz: torch.Tensor, dX: torch.Tensor, fn_t: torch.Tensor, cfg: FinishConfig, split: _Split,
               precision: str) -> None:
-    """Kernel B: dX from kernel A's dz rows ``dz`` (FP32 [T * M_PAD]). In Gluon where it serves (sm_90, bf16 /
-    fp16: cakeops/_gluon/mhc_backward_dx.py, the same dX), else _dx_kernel over ``split``'s grid, or
+    """Kernel B: dX from kernel A's dz rows ``dz`` (FP32 [T * M_PAD]): _dx_kernel over ``split``'s grid, or
     _dx_stream_kernel (``cfg.dx_by_stream``, reading fn^T from ``fn_t`` when ``cfg.stream_fn_k_major``). ``cfg``:
     resolved for X's n; ``precision``: the projection's input precision."""
-    if _gluon.takes_dx(X, dY, dU, stats, dz, dX):
-        _gluon.dx(X, dY, dU, fn, stats, dz, dX)
-        return
     T, n, C = X.shape
     M, m_pad = 2 * n + n * n, logits_pad(n)
     strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),

@@ -158,31 +158,34 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     )
 
 
-_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_TABLES_KEPT = 64
+_HOST_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_HOST_TABLES_KEPT = 64
 
 
 def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
-    """The rebuild kernel's table of layers, int64 [3, K]: the branch outputs' addresses and row strides, the
-    records' addresses. Pinned and non-blocking: a pageable copy would wait for the GPU's queue (measured: +15 %
-    on an eager step); made once per group, its first K' columns serve K' layers.
+    """The rebuild kernel's table of layers, int64 [3, K] on ``device``: the branch outputs' addresses and row
+    strides, the records' addresses. Copied from pinned host memory, non-blocking: a pageable copy would wait for
+    the GPU's queue (measured: +15 % on an eager step); made once per group, its first K' columns serve K' layers.
 
-    Tables are kept by their contents (the last 64): a table is a function of the addresses it holds, so one made
-    for the same addresses serves again -- a compiled step allocates its buffers at the same addresses step after
-    step, and each compiled rebuild (an op, no group to keep a table) would otherwise pin host memory and copy."""
+    The pinned host tables are kept by their contents (the last 64): a table is a function of the addresses it
+    holds, and a compiled step allocates its buffers at the same addresses step after step, so each compiled
+    rebuild (an op, no group to keep a table) finds its host side made. The device table is the caller's alone and
+    dies with the rebuild: kept here, it would outlive the call in whatever memory pool was current when it was
+    made -- under ``mode="reduce-overhead"`` the CUDA-graph pool, whose warm-up run then finds tensors it does not
+    track ("Detected 3 tensor(s) in the cudagraph pool not tracked as outputs"). A host table is never freed while
+    kept, so a non-blocking copy from it cannot read memory that was reused."""
     rows = ((B.data_ptr() for B in Bs), (B.stride(0) for B in Bs), (s.data_ptr() for s in stats_list))
     rows = tuple(tuple(row) for row in rows)
-    key = (str(device), rows)
-    table = _TABLES.get(key)
-    if table is None:
-        is_cuda = torch.device(device).type == "cuda"
-        table = torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda).to(device, non_blocking=True)
-        _TABLES[key] = table
-        if len(_TABLES) > _TABLES_KEPT:
-            _TABLES.popitem(last=False)
+    is_cuda = torch.device(device).type == "cuda"
+    host = _HOST_TABLES.get(rows)
+    if host is None:
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda)
+        _HOST_TABLES[rows] = host
+        if len(_HOST_TABLES) > _HOST_TABLES_KEPT:
+            _HOST_TABLES.popitem(last=False)
     else:
-        _TABLES.move_to_end(key)
-    return table
+        _HOST_TABLES.move_to_end(rows)
+    return host.to(device, non_blocking=True) if is_cuda else host.clone()
 
 
 @dataclass(frozen=True)

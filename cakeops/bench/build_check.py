@@ -150,7 +150,7 @@ def _as_gpu(sms: int, sm: int = 90):
 
     patched, original = [], launch.persistent_programs
     for name, mod in list(sys.modules.items()):
-        ours = name.startswith(("cakeops._triton", "cakeops._gluon"))
+        ours = name.startswith("cakeops._triton")
         if ours and getattr(mod, "persistent_programs", None) is original:
             patched.append((mod, "persistent_programs", mod.persistent_programs))
             mod.persistent_programs = persistent_programs
@@ -209,8 +209,7 @@ def inductor_copy(fn):
 def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_scalars: bool = False,
                      inductor_source: bool = False, ptxas: bool = True) -> List[Built]:
     """Runs ``call`` (launchers on meta tensors) recording every Triton launch instead of running it, then
-    compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given); a Gluon kernel
-    (``cakeops._gluon``) through Gluon's AST source, as its launch would. ``inductor_scalars``:
+    compiles each distinct one for sm_``sm`` (only those named in ``kernels`` when given). ``inductor_scalars``:
     float arguments typed FP64, as Inductor's launcher types them in a traced launch (Triton's: FP32).
     ``inductor_source``: each kernel compiled from Inductor's copy of its source (``inductor_copy``).
     ``ptxas=False``: no registers / spills (ptxas on every build is most of the time of an sm_80 check)."""
@@ -258,7 +257,9 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
             continue
         seen.add(key)
         source = inductor_copy(fn) if inductor_source else fn
-        compiled = triton.compile(_ast_source(fn)(source, signature, constexprs, attrs), target=gpu,
+        from triton.compiler import ASTSource
+
+        compiled = triton.compile(ASTSource(source, signature, constexprs, attrs), target=gpu,
                                   options=options.__dict__)
         regs, spill = _ptxas_usage(compiled.asm["ptx"], sm) if ptxas else (None, None)
         ttgir = compiled.asm.get("ttgir", "")
@@ -269,46 +270,11 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
     return built
 
 
-def _ast_source(fn):
-    """The AST source class Triton's launcher compiles ``fn`` through: Gluon's for a ``gluon.jit`` kernel (private
-    in triton 3.6-3.8: triton.experimental.gluon._runtime)."""
-    if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        return GluonASTSource
-    from triton.compiler import ASTSource
-
-    return ASTSource
-
-
 def tensor_core_instructions(ptx: str) -> tuple:
     """The distinct tensor-core instructions of a PTX listing, sorted (shape and types included), and its explicit
     roundings to TF32 if it has any (``cvt.rna.tf32.f32``: Triton's TF32 dots leave the truncation to the MMA)."""
     return tuple(sorted(set(re.findall(r"\b(mma\.sync\.aligned\.[\w.]+|wgmma\.mma_async\.[\w.]+|cvt\.rna\.tf32"
                                        r"\.f32)", ptx))))
-
-
-def gluon_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
-    """A callable that runs the Gluon launchers (cakeops._gluon; today backward_finish's kernel B) on meta tensors,
-    as they would launch on an sm_90 device. ``config``: a ``cakeops._gluon.mhc_backward_dx.DxConfig`` or None;
-    ``deterministic`` is not read (kernel B has no cross-token sums). Nothing runs where Gluon does not import."""
-    import torch
-    from .. import _gluon
-    from ..meta import mhc_layout
-    from .._triton.mhc_columns import logits_pad
-
-    def call():
-        if not _gluon.importable():
-            return
-        from .._gluon import mhc_backward_dx
-
-        m = torch.device("meta")
-        X = torch.empty(T, n, C, dtype=dtype, device=m)
-        fn = torch.empty(mhc_layout.n_logits(n), n * C, device=m)
-        stats = torch.empty(T, mhc_layout.stats_width(n), device=m)
-        mhc_backward_dx.dx(X, torch.empty_like(X), torch.empty(T, C, dtype=dtype, device=m), fn, stats,
-                           torch.empty(T * logits_pad(n), device=m), torch.empty_like(X), config=config)
-    return call
 
 
 def gated_head_launches(T: int, n: int, C: int, dtype, config=None, deterministic: bool = True):
@@ -438,9 +404,8 @@ def check_candidates(ops, ns, T: int = 16384, C: int = 4096, dtype_name: str = "
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cakeops.bench.build_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", choices=("gated_head", "mhc", "gluon"), default="gated_head",
-                   help="the gated head's kernels (default), an mHC layer's (prepare ... backward_finish) or the "
-                        "Gluon kernels (sm_90, bf16 / fp16: cakeops._gluon)")
+    p.add_argument("--op", choices=("gated_head", "mhc"), default="gated_head",
+                   help="the gated head's kernels (default) or an mHC layer's (prepare ... backward_finish)")
     p.add_argument("--n", default="2,4,8")
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--C", type=int, default=4096)
@@ -483,7 +448,7 @@ def main(argv=None) -> int:
         print("every candidate fits" if ok else "SOME CANDIDATES DO NOT FIT sm_%d" % args.sm)
         return 0 if ok else 1
     ok = check(shapes, args.dtype, args.sm, args.sms, configs, deterministic=not args.atomic, kernels=kernels,
-               launches={"mhc": mhc_layer_launches, "gluon": gluon_launches}.get(args.op), sha=args.sha)
+               launches={"mhc": mhc_layer_launches}.get(args.op), sha=args.sha)
     print("all kernels fit, no pipeline races" if ok else
           "SOME KERNELS DO NOT FIT the shared memory of sm_%d or race (RACE lines)" % args.sm)
     return 0 if ok else 1
