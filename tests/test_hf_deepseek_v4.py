@@ -343,31 +343,42 @@ def test_recompute_keeps_less():
     assert groups == [(0, True), (1, True), (2, True), (3, True)], groups
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-def test_compiled_fullgraph_matches_eager(recompute):
-    """torch.compile(fullgraph=True) (aot_eager: the graph and gradients; Inductor in the opt-in test below):
-    no graph break from cakeops, loss and gradients those of the eager patched model; with recompute, the same
-    bits as the compiled model without it."""
+def _compiled(model, graphs):
+    """torch.compile(fullgraph=True) with aot_eager, noting the cakeops ops of each graph Dynamo hands over."""
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if "cakeops" in str(n.target)})
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    return torch.compile(model, fullgraph=True, backend=backend)
+
+
+def test_compiled_fullgraph_matches_eager_and_recompute_is_bitwise():
+    """torch.compile(fullgraph=True) (aot_eager here: the graph and gradients; Inductor in the opt-in test below):
+    one graph, no break from cakeops, loss and gradients those of the eager patched model; compiled with
+    recompute (the custom ops mhc_prepare_rc / mhc_finish_rc / stream_expand in the graph), the same bits as
+    compiled without it."""
     seed = _seed()
     eager = _model()
-    apply_cakeops_to_deepseek_v4(eager, recompute=recompute)
-    compiled_model = copy.deepcopy(eager)
+    apply_cakeops_to_deepseek_v4(eager)
+    plain, rc = copy.deepcopy(eager), copy.deepcopy(eager)
+    apply_cakeops_to_deepseek_v4(rc, recompute=True)
     ids = _batch()
-    torch._dynamo.reset()
-    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     loss, g = _step(eager, ids)
+    graphs = []
+    compiled = _compiled(plain, graphs)
     for _ in range(2):
         loss_c, g_c = _step(compiled, ids)
         torch.testing.assert_close(loss_c, loss, rtol=1e-6, atol=0, msg=lambda m: f"seed {seed}: {m}")
         _assert_grads_close({k.replace("_orig_mod.", ""): v for k, v in g_c.items()}, g, 1e-5, seed, " compiled")
-    if recompute:  # bitwise against the compiled model without recompute
-        plain = copy.deepcopy(eager)
-        revert_cakeops_deepseek_v4(plain)
-        apply_cakeops_to_deepseek_v4(plain)
-        torch._dynamo.reset()
-        loss_p, g_p = _step(torch.compile(plain, fullgraph=True, backend="aot_eager"), ids)
-        assert torch.equal(loss_c, loss_p)
-        _assert_grads_equal(g_c, g_p, seed, " compiled recompute")
+    rc_ops = {"cakeops.mhc_prepare_rc", "cakeops.mhc_finish_rc", "cakeops.stream_expand"}
+    assert len(graphs) == 1 and not rc_ops & graphs[0], graphs
+    assert {"cakeops.mhc_prepare", "cakeops.rmsnorm_fwd", "cakeops.mhc_gated_head_fwd"} <= graphs[0], graphs[0]
+    graphs.clear()
+    loss_rc, g_rc = _step(_compiled(rc, graphs), ids)
+    assert len(graphs) == 1 and rc_ops <= graphs[0], graphs
+    assert torch.equal(loss_rc, loss_c)
+    _assert_grads_equal(g_rc, g_c, seed, " compiled recompute")
 
 
 @pytest.mark.slow
