@@ -272,8 +272,8 @@ class StreamRecompute(_recompute.RecomputePlan):
     streams with the mHC kernels alone, bitwise, so gradients equal those without it bit for bit. Eager and
     compiled alike (the custom ops form the same groups along the traced graph).
 
-    ``group_size``: an int >= 2 (1 would keep every layer's streams: pass no object instead). ``recompute_mhc``
-    chooses n layers by default (``default_group_size``).
+    ``group_size``: an int >= 2 (1 would keep every layer's streams: pass no object instead); ``recompute_mhc``
+    takes n layers by default (4 at n = 4), a good choice here too.
 
     >>> plan = StreamRecompute(4)
     >>> X = stream_expand(torch.randn(3, 32, requires_grad=True), 4, recompute=plan)
@@ -294,12 +294,6 @@ class StreamRecompute(_recompute.RecomputePlan):
 
     def __repr__(self) -> str:
         return f"StreamRecompute(group_size={self.group_size})"
-
-
-def default_group_size(n_streams: int, n_layers: int) -> int:
-    """The group size ``recompute_mhc`` takes by default for ``n_layers`` mHC layers of ``n_streams``: n layers,
-    at most ``n_layers`` (``_recompute.default_group_size`` says why)."""
-    return _recompute.default_group_size(n_streams, n_layers)
 
 
 def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
