@@ -21,7 +21,6 @@ runs forward and backward with a finite loss; CPU timings are not performance nu
 Writes OUT/deepseek_v4.md and OUT/deepseek_v4.json. Exits 1 when a row fails.
 """
 import argparse
-import copy
 import datetime
 import gc
 import math
@@ -29,7 +28,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
