@@ -519,20 +519,31 @@ def test_class_patches_compose_with_liger_in_either_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's RMSNorm and fused linear cross-entropy "
                     "are Triton kernels that need a CUDA GPU (the CPU tests above cover the composition's structure)")
 def test_liger_and_cakeops_together_train_on_gpu():
+    """Liger's default V4 patch (fused linear cross-entropy, layer norms) and cakeops', in either order, train
+    like HF (TF32 / Triton reductions on both sides: relative-norm tolerances)."""
     liger = pytest.importorskip("liger_kernel.transformers", reason="liger-kernel not installed")
     seed = _seed()
     hf = _model().cuda()
     ids = _batch().cuda()
     loss_hf, g_hf = _step(hf, ids)
+    hf_norm = modeling.DeepseekV4RMSNorm
     for order in ("liger-first", "cakeops-first"):
         model = copy.deepcopy(hf)
         patches = [lambda: liger.apply_liger_kernel_to_deepseek_v4(model=model),
                    lambda: apply_cakeops_to_deepseek_v4(model)]
-        for patch in patches if order == "liger-first" else patches[::-1]:
-            patch()
+        try:
+            for patch in patches if order == "liger-first" else patches[::-1]:
+                patch()
+        finally:
+            modeling.DeepseekV4RMSNorm = hf_norm  # Liger's patch names its class there, with model= too
         loss, g = _step(model, ids)
         torch.testing.assert_close(loss, loss_hf, rtol=2e-3, atol=0, msg=lambda m: f"seed {seed} {order}: {m}")
-        _assert_grads_close(g, g_hf, 2e-2, seed, f" {order}")
+        assert g.keys() == g_hf.keys()
+        for name, want in g_hf.items():
+            err = ((g[name] - want).norm() / want.norm().clamp_min(1e-12)).item()
+            assert want.norm() < 1e-6 or err <= 2e-2, f"seed {seed} {order}: {name} grad rel-norm error {err:.2e}"
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        assert torch.isfinite(_step(model, ids)[0])
 
 
 # ---- errors in the user's terms ----
