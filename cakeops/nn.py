@@ -204,10 +204,7 @@ class MHC(_Mapping):
         if B.dtype not in _checks.FLOAT_DTYPES:  # (another float dtype than U's is fine: autocast's bf16 branch)
             raise ValueError(f"MHC: the branch must return bfloat16, float16 or float32: given {_dtype(U)}, it "
                              f"returned {_dtype(B)}; cast its output (or the model) to one of them")
-        Y = cake_mhc_train_finish(X, B, handle)  # X's shape, and not a view: FSDP2 hooks a module's outputs
-        if plan is not None and handle.state is not None:  # the eager path (the ops path forms its own groups)
-            plan.leave(handle.state.link, Y)
-        return Y
+        return cake_mhc_train_finish(X, B, handle)  # X's shape, not a view: FSDP2 hooks a module's outputs
 
     @property
     def recompute_group(self) -> int:
@@ -258,12 +255,45 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
                          f"the residual streams of MHC layers (pass the model that contains them)")
     if group_size is None:
         group_size = _recompute.default_group_size(layers[0].n_streams, len(layers))
-    plan = None if group_size == 1 else _recompute.RecomputePlan(group_size)
+    plan = None if group_size == 1 else StreamRecompute(group_size)
     for layer in layers:
         layer._recompute = plan
     for expand in (m for m in module.modules() if isinstance(m, StreamExpand)):
         expand._recompute = plan is not None
     return module
+
+
+class StreamRecompute(_recompute.RecomputePlan):
+    """Stream recompute for the functional API: one object shared by consecutive mHC layers, given as
+    ``recompute=`` to each layer's ``cake_mhc_train_prepare`` (and to ``stream_expand`` where the streams are
+    made), does what ``recompute_mhc`` does for ``MHC`` modules: groups of at most ``group_size`` consecutive
+    layers (a layer joins when its X is the previous layer's finish output, unchanged) keep only the group's first
+    input X -- or StreamExpand's h -- plus each layer's branch output and record; the backward rebuilds the other
+    streams with the mHC kernels alone, bitwise, so gradients equal those without it bit for bit. Eager and
+    compiled alike (the custom ops form the same groups along the traced graph).
+
+    ``group_size``: an int >= 2 (1 would keep every layer's streams: pass no object instead); ``recompute_mhc``
+    takes n layers by default (4 at n = 4), a good choice here too.
+
+    >>> plan = StreamRecompute(4)
+    >>> X = stream_expand(torch.randn(3, 32, requires_grad=True), 4, recompute=plan)
+    >>> from cakeops.cake_mhc_train import cake_mhc_train_prepare, cake_mhc_train_finish
+    >>> fn, scale, base = torch.randn(24, 128) * 0.1, torch.ones(3), torch.zeros(24)
+    >>> U, handle = cake_mhc_train_prepare(X, fn, scale, base, recompute=plan)
+    >>> cake_mhc_train_finish(X, torch.tanh(U), handle).shape
+    torch.Size([3, 4, 32])
+    """
+
+    def __init__(self, group_size: int = 4):
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise TypeError(f"group_size: expected an int >= 2, got {type(group_size).__name__}")
+        if group_size < 2:
+            raise ValueError(f"group_size: expected an int >= 2 (a group of 1 keeps every layer's streams: give "
+                             f"no StreamRecompute instead), got {group_size}")
+        super().__init__(group_size)
+
+    def __repr__(self) -> str:
+        return f"StreamRecompute(group_size={self.group_size})"
 
 
 def _copy_whole(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -300,19 +330,50 @@ class StreamExpand(nn.Module):
         return f"n_streams={self.n_streams}"
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if not isinstance(h, torch.Tensor) or h.dim() < 1:
-            got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
-            raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
-                             f"{self.n_streams} residual streams, got {got}")
-        rooting = getattr(self, "_recompute", False) and torch.is_grad_enabled()
-        # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their
-        # streams: the op has no sharding rule, so a DTensor h takes the plain path)
-        if rooting and _traced.through_ops() and not is_dtensor(h):
-            return torch.ops.cakeops.stream_expand(h, self.n_streams)
-        X = _recompute.stream_copies(h, self.n_streams).contiguous()
-        if rooting:
-            _recompute.expanded.note(X, h)
-        return X
+        return _expand(h, self.n_streams, getattr(self, "_recompute", False))
+
+
+def stream_expand(h: torch.Tensor, n_streams: int = 4, *, recompute: Optional["StreamRecompute"] = None
+                  ) -> torch.Tensor:
+    """``[..., C] -> [..., n, C]``: ``StreamExpand`` as a function, h copied into ``n_streams`` (2, 4 or 8)
+    contiguous residual streams (backward: the sum over the streams).
+
+    ``recompute``: the ``StreamRecompute`` given to the mHC layers' ``cake_mhc_train_prepare``; with it the first
+    group of stream recompute is rooted here: it keeps h (C values per token) instead of the n streams, and the
+    backward rebuilds the first layer's streams from h too (the same bits). Eager and under torch.compile (the
+    ``cakeops::stream_expand`` custom op) alike. Without it (None) a plain copy, as ``h.unsqueeze(-2).expand(...)
+    .contiguous()``.
+
+    >>> stream_expand(torch.randn(2, 5, 32), 4).shape
+    torch.Size([2, 5, 4, 32])
+    """
+    from . import _mhc_args
+
+    n = _mhc_args.n_streams("n_streams", n_streams)
+    if recompute is not None and not isinstance(recompute, _recompute.RecomputePlan):
+        raise TypeError(f"recompute: expected the cakeops.nn.StreamRecompute of the mHC layers (or None), got "
+                        f"{type(recompute).__name__}")
+    if not isinstance(h, torch.Tensor) or h.dim() < 1:
+        got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ValueError(f"stream_expand: expected a hidden state [..., C] (at least 1 dim) to copy into the {n} "
+                         f"residual streams, got {got}")
+    return _expand(h, n, recompute is not None)
+
+
+def _expand(h: torch.Tensor, n: int, rooted: bool) -> torch.Tensor:
+    if not isinstance(h, torch.Tensor) or h.dim() < 1:
+        got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
+        raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
+                         f"{n} residual streams, got {got}")
+    rooting = rooted and torch.is_grad_enabled()
+    # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their
+    # streams: the op has no sharding rule, so a DTensor h takes the plain path)
+    if rooting and _traced.through_ops() and not is_dtensor(h):
+        return torch.ops.cakeops.stream_expand(h, n)
+    X = _recompute.stream_copies(h, n).contiguous()
+    if rooting:
+        _recompute.expanded.note(X, h)
+    return X
 
 
 class MHCHead(_Mapping):

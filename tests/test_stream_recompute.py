@@ -537,3 +537,76 @@ def test_rebuild_tables_are_kept_by_their_addresses(triton_kernels):
     chained = ops.finish_impl(ops.finish_impl(X0, *links[0]), *links[1])
     for _ in range(2):
         assert torch.equal(ops.rebuild_impl(X0, links), chained)
+
+
+# ---- the functional API's hook: cakeops.nn.StreamRecompute, cake_mhc_train_prepare(recompute=), stream_expand ----
+
+def _functional_stack(h, params, plan, n):
+    """stream_expand -> len(params) prepare/branch/finish layers -> the plain head, through the functional API."""
+    from cakeops.cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_head, cake_mhc_train_prepare
+
+    X = cnn.stream_expand(h, n, recompute=plan)
+    for fn, scale, base, w in params:
+        U, handle = cake_mhc_train_prepare(X, fn, scale, base, rms_eps=1e-6, hc_eps=0.01, sinkhorn_iters=5,
+                                           recompute=plan)
+        X = cake_mhc_train_finish(X, torch.tanh(U @ w), handle)
+    return cake_mhc_train_head(X)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_functional_hook_bitwise(compiled):
+    n, C, layers = 4, 32, 5
+    gen = torch.Generator().manual_seed(7)
+    params = [tuple(t.requires_grad_() for t in (torch.randn(2 * n + n * n, n * C, generator=gen) * 0.3,
+                                                   torch.rand(3, generator=gen) + 0.5,
+                                                   torch.randn(2 * n + n * n, generator=gen),
+                                                   torch.randn(C, C, generator=gen) / C ** 0.5))
+              for _ in range(layers)]
+    h0 = torch.randn(3, 7, C, generator=gen)
+    dY = torch.randn(3, 7, C, generator=gen)
+
+    def grads(plan):
+        h = h0.clone().requires_grad_()
+        run = _functional_stack
+        if compiled:
+            torch._dynamo.reset()
+            run = torch.compile(_functional_stack, fullgraph=True, backend="aot_eager")
+        run(h, params, plan, n).backward(dY)
+        out = [h.grad] + [p.grad.clone() for ps in params for p in ps]
+        for ps in params:
+            for p in ps:
+                p.grad = None
+        return out
+
+    want = grads(None)
+    for plan in (cnn.StreamRecompute(4), cnn.StreamRecompute(2)):
+        for a, b in zip(grads(plan), want):
+            assert torch.equal(a, b)
+
+
+def test_functional_hook_keeps_less_and_checks_its_argument(monkeypatch):
+    from cakeops import _recompute
+    from cakeops.cake_mhc_train import cake_mhc_train_prepare
+
+    links, enter = [], _recompute.RecomputePlan.enter
+
+    def spy(self, X, X3):  # (k, rebuilds) as the layer joins: the group lets its root go after the backward
+        link = enter(self, X, X3)
+        links.append((link.k, link.rebuilds))
+        return link
+
+    monkeypatch.setattr(_recompute.RecomputePlan, "enter", spy)
+    C = 16
+    params = [(torch.randn(24, 4 * C) * 0.1, torch.ones(3), torch.zeros(24), torch.eye(C)) for _ in range(5)]
+    _functional_stack(torch.randn(6, C, requires_grad=True), params, cnn.StreamRecompute(4), 4).sum().backward()
+    # groups of 4 rooted at the expansion's h: no layer keeps its streams but the second group's first
+    assert links == [(0, True), (1, True), (2, True), (3, True), (0, False)]
+
+    X = torch.randn(2, 4, 8)
+    with pytest.raises(TypeError, match="StreamRecompute"):
+        cake_mhc_train_prepare(X, torch.zeros(24, 32), torch.ones(3), torch.zeros(24), recompute=4)
+    with pytest.raises(TypeError, match="StreamRecompute"):
+        cnn.stream_expand(torch.randn(2, 8), 4, recompute=True)
+    with pytest.raises(ValueError, match="group_size"):
+        cnn.StreamRecompute(1)
+    assert repr(cnn.StreamRecompute(3)) == "StreamRecompute(group_size=3)"

@@ -17,6 +17,7 @@ from .._function import EagerFunction, first_order
 from .._ops import mhc as ops
 from .._ops.sharding import any_dtensor
 from .._ops.strides import in_shape, unit_last
+from .._recompute import RecomputePlan
 from ..meta import mhc as fake
 from .functions import _check_branch_output, _check_prepare_inputs
 from .workspace import _BWD_HELPER, _FWD_HELPER, _backward_need, _forward_need, _workspace_for
@@ -169,19 +170,20 @@ class MHCTrainHandle:
     """Returned by ``cake_mhc_train_prepare``; serves exactly one ``cake_mhc_train_finish`` of the same X."""
 
     def __init__(self, X: Tensor, edges, state: Optional[_LayerState] = None, stats: Optional[Tensor] = None,
-                 group_size: int = 1):
+                 group_size: int = 1, recompute=None):
         self.X = X  # as the user gave it, leading dims and all
         self.edges = edges
         self.state = state
         self.stats = stats
         self.group_size = group_size  # > 1: the custom-op pair of stream recompute (mhc_prepare_rc)
+        self.recompute = recompute  # the eager path's plan: its finish tells the plan the layer's output
         self.used = False
 
 
 def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                            hc_eps: float = 1e-6, sinkhorn_iters: int = 20, save_stats: bool = True,
                            workspace: Optional[Tensor] = None, backward_workspace: Optional[Tensor] = None,
-                           deterministic: bool = True) -> Tuple[Tensor, MHCTrainHandle]:
+                           deterministic: bool = True, recompute=None) -> Tuple[Tensor, MHCTrainHandle]:
     """``U, handle``: the layer input U (feed it to the branch) and the handle its finish needs (autograd).
 
     X: the residual streams ``[..., n, C]`` (any leading dims, e.g. ``[batch, seq, 4, C]``), bf16, fp16 or fp32,
@@ -195,6 +197,16 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     the CPU reference, and under torch.compile (Inductor plans memory there). ``deterministic`` (cakeops'
     extension, default True): False sums the parameter gradients with atomics.
 
+    ``recompute`` (cakeops' extension, default None): a ``cakeops.nn.StreamRecompute`` shared by consecutive
+    layers -- stream recompute (DeepSeek's mHC paper §4.3.2) for code that calls this pair itself instead of
+    using ``nn.MHC`` (e.g. forwards bound onto another library's modules). A layer whose X is the output of the
+    previous layer's ``cake_mhc_train_finish`` under the same object joins its group and keeps no X: the backward
+    rebuilds X from the group's first input with the mHC kernels alone, bitwise, so gradients are those without
+    it bit for bit. A group whose first X is ``cakeops.nn.stream_expand(h, n, recompute=...)``'s output keeps h
+    (C values per token) instead of the n streams. Eager (autograd.Functions) and under torch.compile (custom ops
+    ``mhc_prepare_rc`` / ``mhc_finish_rc`` / ``stream_expand``) alike; see ``cakeops.nn.recompute_mhc`` for
+    where groups end.
+
     >>> C = 32
     >>> X = torch.randn(2, 5, 4, C, requires_grad=True)
     >>> fn, scale, base = torch.randn(24, 4 * C) * 0.01, torch.full((3,), 0.01), torch.zeros(24)
@@ -203,14 +215,18 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     >>> U.shape, Y.shape, cake_mhc_train_head(Y).shape
     (torch.Size([2, 5, 32]), torch.Size([2, 5, 4, 32]), torch.Size([2, 5, 32]))
     """
+    if recompute is not None and not isinstance(recompute, RecomputePlan):
+        raise TypeError(f"recompute: expected a cakeops.nn.StreamRecompute shared by the layers of a group (or "
+                        f"None), got {type(recompute).__name__}")
     return _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, workspace, backward_workspace,
-                    deterministic)
+                    deterministic, recompute=recompute)
 
 
 def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, workspace, backward_workspace,
              deterministic, recompute=None):
-    """cake_mhc_train_prepare's body; ``recompute``: nn.MHC's stream-recompute plan (_recompute.RecomputePlan),
-    which gives the eager layer its place in a group."""
+    """cake_mhc_train_prepare's body; ``recompute``: the stream-recompute plan (_recompute.RecomputePlan: nn.MHC's
+    under recompute_mhc, or a cakeops.nn.StreamRecompute given to cake_mhc_train_prepare), which gives the eager
+    layer its place in a group; the finish tells it the layer's output."""
     args.streams("X", X, leading_dims=True)
     X3 = ops.flat(X, 3)
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
@@ -237,7 +253,7 @@ def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, wo
         if recompute is not None:
             state.link = recompute.enter(X, X3)
         U, e_dy, e_gs = CakeMHCTrainPrepareFunction.apply(X3, fn, scale, base, state)
-        handle = MHCTrainHandle(X, (e_dy, e_gs), state=state)
+        handle = MHCTrainHandle(X, (e_dy, e_gs), state=state, recompute=recompute)
     # U in X's leading dims as no view (a compiled function returning it would hand back a view: strides.in_shape)
     return (U if X.dim() == 3 else in_shape(U, (*X.shape[:-2], X.shape[-1]))), handle
 
@@ -272,7 +288,10 @@ def cake_mhc_train_finish(X: Tensor, B: Tensor, handle: MHCTrainHandle) -> Tenso
         return torch.ops.cakeops.mhc_finish(X, B, handle.stats, *handle.edges)
     # X enters detached: the finish node has no edge to X at all (its X gradient travels as dY through the
     # edges), so no engine -- compiled autograd included -- ever sums a None into X's gradient.
-    return CakeMHCTrainFinishFunction.apply(X.detach(), B, handle.state, *handle.edges)
+    Y = CakeMHCTrainFinishFunction.apply(X.detach(), B, handle.state, *handle.edges)
+    if handle.recompute is not None:  # the eager path's group: the next layer joins it when it takes this Y
+        handle.recompute.leave(handle.state.link, Y)
+    return Y
 
 
 def cake_mhc_train_head(X: Tensor) -> Tensor:

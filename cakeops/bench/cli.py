@@ -8,6 +8,10 @@ Exits 1 when any op is outside its error tolerance.
 
 `python -m cakeops bench model [--preset c2048,c4096|issue] ...` (``bench/model.py``; its ``--help`` lists the
 flags): one training step of a Llama-like decoder, plain residual against the mHC variants.
+
+`python -m cakeops bench deepseek-v4 [--hidden 2048,4096] [--layers N] [--seq S] [--steps N] [--rows ...] [--out
+DIR]` (``bench/deepseek_v4.py``): one training step of Hugging Face's DeepSeek-V4, HF eager / compiled / + Liger
+against the model patched with cakeops (and + stream recompute).
 """
 import argparse
 import datetime
@@ -25,7 +29,8 @@ from .console import progress, say
 def _parser(known: Sequence[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cakeops bench", description=__doc__.split("\n\n")[1],
                                 epilog="python -m cakeops bench model --help: the model benchmark (a decoder's "
-                                       "training step, plain residual vs mHC)")
+                                       "training step, plain residual vs mHC); python -m cakeops bench deepseek-v4 "
+                                       "--help: Hugging Face's DeepSeek-V4, HF vs Liger vs cakeops")
     p.add_argument("--quick", action="store_true", help="only the first shape of each op")
     p.add_argument("--ops", default=",".join(known), help=f"comma-separated op families (default: {','.join(known)})")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for the reports (default bench_out)")
@@ -96,6 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .model import main as model_main
 
         return model_main(list(argv[1:]))
+    if argv is not None and list(argv[:1]) == ["deepseek-v4"]:
+        from .deepseek_v4 import main as deepseek_v4_main
+
+        return deepseek_v4_main(list(argv[1:]))
     core.load_families()
     known = core.families()
     parser = _parser(known)
