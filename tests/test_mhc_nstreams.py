@@ -195,9 +195,9 @@ def test_tiny_lm_trains_at_n_streams(n):
 
 def test_supported_query():
     for n in STREAMS:
-        assert mhc.is_cake_mhc_train_supported("cpu", 64, n)
+        assert mhc.is_cake_mhc_train_supported("cpu", 64, n_streams=n)
     for n in UNSUPPORTED + (True,):
-        assert not mhc.is_cake_mhc_train_supported("cpu", 64, n)
+        assert not mhc.is_cake_mhc_train_supported("cpu", 64, n_streams=n)
 
 
 SUPPORTED_SET = r"\{2, 4, 8\}"
