@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from .._triton.launch import cdiv, persistent_programs
-from .._triton.mhc_columns import COMB, PRE, logits_pad
+from .._triton.mhc_columns import logits_pad
 from .compat import (TensorDescriptor, cta_barrier, fence_async_shared, gl, gluon, mbarrier, mma_v2, tma,
                      warpgroup_mma, warpgroup_mma_wait)
 
@@ -128,8 +128,8 @@ def _dx_load(descs, bufs, bars, c0, first, blocks, N: gl.constexpr):
     x_bufs, dy_bufs, du_buf, st_bufs, s_buf, dz_bufs, out_bufs, fn_bufs = bufs
     head_ready, head_empty, x_ready, x_empty, out_ready, out_empty = bars
     M: gl.constexpr = 2 * N + N * N
-    PRE: gl.constexpr = 1 + M         # the stats columns of pre and comb: _triton/mhc_columns.py's PRE(N), COMB(N)
-    COMB: gl.constexpr = PRE + 2 * N  # (checked against them below, _COLUMNS_AGREE)
+    PRE_COL: gl.constexpr = 1 + M             # the stats columns of pre and comb: _triton/mhc_columns.py's PRE(N),
+    COMB_COL: gl.constexpr = PRE_COL + 2 * N  # COMB(N) (checked against them below, _COLUMNS_AGREE)
     KC: gl.constexpr = dz_bufs.shape[0]
     BLOCK_T: gl.constexpr = x_desc.block_type.shape[0]
     for it in range(blocks):
@@ -143,7 +143,7 @@ def _dx_load(descs, bufs, bars, c0, first, blocks, N: gl.constexpr):
         tma.async_copy_global_to_shared(du_desc, [t0, c0], bar, du_buf)
         for j in gl.static_range(N):
             tma.async_copy_global_to_shared(dy_desc, [t0, j, c0], bar, _as_box(dy_bufs.index(j), dy_desc))
-        tma.async_copy_global_to_shared(st_desc, [t0, PRE], bar, st_bufs.index(0))  # pre_0..: from column PRE
+        tma.async_copy_global_to_shared(st_desc, [t0, PRE_COL], bar, st_bufs.index(0))  # pre_0..: from column PRE(N)
         tma.async_copy_global_to_shared(s_desc, [t0, M], bar, s_buf)              # s: dz's column M
         # dz_desc's shape ends at column M, so columns past M (s, padding) arrive as zeros, as _dx_kernel masks them
         for kc in gl.static_range(KC):
@@ -154,7 +154,7 @@ def _dx_load(descs, bufs, bars, c0, first, blocks, N: gl.constexpr):
             bar = x_ready.index(i)
             mbarrier.expect(bar, x_desc.block_type.nbytes + st_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [t0, i, c0], bar, _as_box(x_bufs.index(i), x_desc))
-            tma.async_copy_global_to_shared(st_desc, [t0, COMB + N * i], bar, st_bufs.index(1 + i))  # comb[i, :]
+            tma.async_copy_global_to_shared(st_desc, [t0, COMB_COL + N * i], bar, st_bufs.index(1 + i))  # comb[i, :]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,7 +269,8 @@ def _dx_gluon_kernel(x_desc, dy_desc, du_desc, dx_desc, dz_desc, s_desc, st_desc
 
     Descriptors: X, dY, dX rank 3 ([T, n, C], boxes [BLOCK_T, 1, BLOCK_C]); dU rank 2 ([T, C]); dz [T, M] in
     boxes of [BLOCK_T, K_STEP] and s as dz's column M (a [BLOCK_T, 4] box of [T, M_PAD]); stats in boxes of
-    [BLOCK_T, max(4, n)] (pre from column PRE(n) = M + 1, comb[i, :] from column COMB(n) + n*i = M + 2n + 1 + n*i). FN: fn [M, n*C] (row stride
+    [BLOCK_T, max(4, n)] (pre from column PRE(n) = M + 1, comb[i, :] from column COMB(n) + n*i = M + 2n + 1 + n*i).
+    FN: fn [M, n*C] (row stride
     stride_fn), read once per program. num_warps: the compute warps (4 * WARPS_C); the load and the store warp
     come on top."""
     BLOCK_T: gl.constexpr = x_desc.block_type.shape[0]
@@ -395,7 +396,12 @@ class _Plan:
 
 
 # _dx_load restates the record's columns (a Gluon kernel calls no Triton constexpr function): they must agree
-_COLUMNS_AGREE = all(PRE(n) == 1 + 2 * n + n * n and COMB(n) == PRE(n) + 2 * n for n in (2, 4, 8))
+def _columns_agree() -> bool:
+    from .._triton import mhc_columns as cols
+    return all(cols.PRE(n) == 1 + 2 * n + n * n and cols.COMB(n) == cols.PRE(n) + 2 * n for n in (2, 4, 8))
+
+
+_COLUMNS_AGREE = _columns_agree()
 assert _COLUMNS_AGREE, "_dx_load's stats columns differ from cakeops/_triton/mhc_columns.py"
 
 
