@@ -25,6 +25,15 @@ def alert_not_deterministic(what: str) -> None:
 _fallback_warned = False
 
 
+def _nondeterministic_requested(deterministic, entry: str) -> bool:
+    """deterministic is False (a bool: TypeError otherwise)."""
+    if deterministic is True:
+        return False
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{entry}: deterministic must be a bool, got {type(deterministic).__name__}")
+    return True
+
+
 def resolve_deterministic(deterministic, entry: str) -> bool:
     """The mode an mHC entry point runs (``flashinfer.experimental.cake.cake_mhc_train``'s rule): ``deterministic``
     must be a bool (TypeError otherwise); True runs the deterministic path; False runs the non-deterministic one,
@@ -36,10 +45,8 @@ def resolve_deterministic(deterministic, entry: str) -> bool:
     deterministic algorithms, e.g. the backward of a layer prepared with deterministic=False before they were
     enabled."""
     global _fallback_warned
-    if deterministic is True:
+    if not _nondeterministic_requested(deterministic, entry):
         return True
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"{entry}: deterministic must be a bool, got {type(deterministic).__name__}")
     if not torch.are_deterministic_algorithms_enabled():
         return False
     if not _fallback_warned:
@@ -55,10 +62,8 @@ def refuse_nondeterministic(deterministic, entry: str, fallback: str) -> bool:
     ``deterministic`` must be a bool; False while ``torch.use_deterministic_algorithms(True)`` is in effect raises
     RuntimeError, or with ``warn_only=True`` warns (once per entry point) and runs the deterministic path
     (``fallback`` says what runs). Returns the deterministic flag to run with."""
-    if deterministic is True:
+    if not _nondeterministic_requested(deterministic, entry):
         return True
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"{entry}: deterministic must be a bool, got {type(deterministic).__name__}")
     if not torch.are_deterministic_algorithms_enabled():
         return False
     message = (f"{entry}(deterministic=False) sums the weight gradient with atomics, in a scheduling-dependent "
