@@ -17,9 +17,11 @@ from cakeops import cake_rmsnorm_train as rms
 from cakeops._ops import determinism
 from cakeops.reference import rmsnorm as rms_ref
 from cakeops.testing import rel_err
-from conftest import DEVICE
+from conftest import DEVICE, ON_GPU
 
 HP = dict(rms_eps=0.5, hc_eps=0.05, sinkhorn_iters=7)  # eps large enough to matter
+# FP32 records: the GPU projection may go through TF32 / split bf16 (SPEC section 5); the CPU paths are FP32
+RECORD_TOL = 1e-3 if ON_GPU else 1e-5
 
 
 def _mhc_inputs(n, T=6, C=40, dtype=torch.float32, seed=0):
@@ -83,12 +85,12 @@ def test_stats_columns_are_flashinfers(backend, n, seed):
     assert stats.shape == (X.shape[0], width) and stats.dtype == torch.float32
     for name, lo, hi in cols:
         got = stats[:, lo:hi].double()
-        assert rel_err(got, want[name].reshape(got.shape)) <= 1e-5, name
+        assert rel_err(got, want[name].reshape(got.shape)) <= RECORD_TOL, name
     assert (stats[:, cols[-1][2]:] == 0).all()  # pad
     assert (want["C"] - 1.0 / n).abs().max() > 0.05  # the Sinkhorn had work to do
     # U = sum_i pre_i X_i with the gates read from FlashInfer's pre columns
     pre = stats[:, cols[2][1]:cols[2][2]]
-    assert rel_err(U, torch.einsum("ti,tic->tc", pre.double(), X.double())) <= 1e-5
+    assert rel_err(U, torch.einsum("ti,tic->tc", pre.double(), X.double())) <= RECORD_TOL
     assert torch.equal(mhc.cake_mhc_train_forward_stats(X, fn, scale, base, **HP), stats)
 
 
