@@ -30,7 +30,7 @@ def _nondeterministic_requested(deterministic, entry: str) -> bool:
     if deterministic is True:
         return False
     if not isinstance(deterministic, bool):
-        raise TypeError(f"{entry}: deterministic must be a bool, got {type(deterministic).__name__}")
+        raise TypeError(f"deterministic: expected a bool ({entry}), got {type(deterministic).__name__}")
     return True
 
 
