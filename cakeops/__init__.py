@@ -25,12 +25,18 @@ def _bind_meta() -> None:
 _bind_meta()
 
 from . import _ops  # noqa: E402,F401  (registers torch.ops.cakeops.*)
-from . import cake_mhc_train, cake_rmsnorm_train  # noqa: E402,F401
+from . import cake_mhc_det_train, cake_mhc_train, cake_rmsnorm_det_train, cake_rmsnorm_train  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
-# Every public name of the two op modules at the top as well, as FlashInfer has them
-# (``flashinfer.cake_rmsnorm_train_forward``): each module's ``__all__`` is the one list of what is public.
-from .cake_mhc_train import *  # noqa: E402,F401,F403
-from .cake_rmsnorm_train import *  # noqa: E402,F401,F403
 
-__all__ = ["cake_mhc_train", "cake_rmsnorm_train", "nn", *cake_rmsnorm_train.__all__, *cake_mhc_train.__all__]
+# Every public name of the op modules at the top as well, as FlashInfer has them
+# (``flashinfer.cake_rmsnorm_train_forward``, ``flashinfer.cake_mhc_det_train_prepare``): each module's ``__all__``
+# is the one list of what is public. The per-module queries (the same names with other meanings in each module,
+# FlashInfer keeps them off its top level too) stay in their modules.
+_MODULE_ONLY = frozenset(("ARCHES", "SUPPORTED_COMPUTE_CAPABILITIES", "route_key", "program_windows",
+                          "weight_dtypes"))
+_OP_MODULES = (cake_rmsnorm_train, cake_rmsnorm_det_train, cake_mhc_train, cake_mhc_det_train)
+globals().update({name: getattr(m, name) for m in _OP_MODULES for name in m.__all__ if name not in _MODULE_ONLY})
+
+__all__ = ["cake_mhc_train", "cake_mhc_det_train", "cake_rmsnorm_train", "cake_rmsnorm_det_train", "nn",
+           *(name for m in _OP_MODULES for name in m.__all__ if name not in _MODULE_ONLY)]
 __version__ = "0.1.0"

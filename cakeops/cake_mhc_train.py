@@ -22,9 +22,22 @@ Workspaces (``workspace=``, ``backward_workspace=``, ``cake_mhc_train_*_workspac
 signatures; the layouts are cakeops' own (docs/design.md §2), sized for every token count up to T, zero-filled
 uint8 like FlashInfer's though the kernels need no zeroing; size-checked everywhere, unused by the CPU reference
 and under torch.compile.
-cakeops' extensions to FlashInfer's signatures are keyword arguments only (``deterministic``, and
-``sinkhorn_iters`` / ``deterministic`` of the backward workspace size); ``forward_stats`` still takes its
-older ``out=`` for ``stats_out=``.
+cakeops' extensions to FlashInfer's signatures are keyword arguments only, after FlashInfer's own (``n_streams``,
+``sinkhorn_iters`` of the backward workspace size, ``out=`` of ``forward_stats``, its older name for
+``stats_out=``); tests/test_flashinfer_signatures.py holds every signature to FlashInfer 0.7.4's.
+
+FlashInfer 0.7.4 names: ``flashinfer.cake_mhc_det_train`` is the primary (deterministic) module and
+``flashinfer.cake_mhc_train`` its alias; ``flashinfer.experimental.cake.cake_mhc_train`` adds ``deterministic=`` to
+every entry point but the finish. cakeops has one implementation: this module's functions take ``deterministic=``
+(default True) where FlashInfer's experimental ones do, and ``cakeops.cake_mhc_det_train`` binds its
+``cake_mhc_det_train_*`` / ``CakeMHCDetTrain*`` names to these very objects. ``deterministic=False`` under
+``torch.use_deterministic_algorithms(True)`` runs the deterministic path and warns once per process, as
+FlashInfer's experimental facade does; the non-deterministic backward itself (the op, or a layer prepared with
+``deterministic=False`` before the deterministic algorithms were enabled) raises PyTorch's alert, as FlashInfer's
+non-deterministic package does.
+
+The stats record has FlashInfer's columns ``r | z[M] | pre[n] | post[n] | C[n*n] | pad`` (n = 4: ``[T, 64]``,
+``r | z[24] | pre[4] | post[4] | C[16] | pad[15]``); meta/mhc_layout.py has the offsets for every n.
 """
 from ._mhc.autograd import (  # noqa: F401  (_LayerState, _prepare: nn.MHC and the stream recompute use them)
     CakeMHCTrainFinishFunction, CakeMHCTrainHeadFunction, CakeMHCTrainPrepareFunction, MHCTrainHandle, _LayerState,
@@ -39,6 +52,9 @@ from ._mhc.gated_head import (  # noqa: F401
     CakeMHCTrainGatedHeadFunction, cake_mhc_train_gated_head, cake_mhc_train_gated_head_backward,
     cake_mhc_train_gated_head_forward,
 )
+from ._support import ARCHES, SUPPORTED_COMPUTE_CAPABILITIES  # noqa: F401
+from ._support import mhc_route_key as route_key  # noqa: F401
+from ._support import reset_workspace as cake_mhc_train_reset_workspace  # noqa: F401
 from ._mhc.workspace import (  # noqa: F401
     cake_mhc_train_backward_workspace, cake_mhc_train_backward_workspace_bytes, cake_mhc_train_forward_workspace,
     cake_mhc_train_forward_workspace_bytes, is_cake_mhc_train_head_supported, is_cake_mhc_train_supported,
@@ -53,4 +69,5 @@ __all__ = [
     "CakeMHCTrainGatedHeadFunction",
     "is_cake_mhc_train_supported", "is_cake_mhc_train_head_supported", "cake_mhc_train_forward_workspace_bytes",
     "cake_mhc_train_forward_workspace", "cake_mhc_train_backward_workspace_bytes", "cake_mhc_train_backward_workspace",
+    "cake_mhc_train_reset_workspace", "route_key", "ARCHES", "SUPPORTED_COMPUTE_CAPABILITIES",
 ]

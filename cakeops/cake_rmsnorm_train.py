@@ -10,6 +10,15 @@ the backward accepts it in that shape or flattened. Row-strided 2-D inputs are r
 copied once. ``dw``/``out`` buffers given by the caller are overwritten, never accumulated into; they may have
 any layout (a slice of a wider tensor, an odd row stride, a transposed view: written through scratch, as FlashInfer
 does; contiguous aligned ones in place, cakeops/_buffers.py).
+
+FlashInfer 0.7.4: every entry point takes ``deterministic`` (default True). ``deterministic=False`` sums dw with
+atomics (``cake_rmsnorm_train_backward``, the autograd backward); the forward has no cross-row sum and gives the
+same bits either way. As in FlashInfer, ``deterministic=False`` while ``torch.use_deterministic_algorithms(True)``
+is in effect raises RuntimeError (forward, backward, workspace helpers, ``cake_rmsnorm``), or with
+``warn_only=True`` warns once per entry point and runs the deterministic path; the support query answers
+regardless. FlashInfer's deterministic module is ``cakeops.cake_rmsnorm_det_train`` (its ``*_det_*`` names, also
+reachable here by their previous names, as FlashInfer's are). What FlashInfer 0.7.4 accepts on the
+non-deterministic path only, ``[..., H]`` inputs and FP32 weights, cakeops accepts on both.
 """
 import math
 import sys
@@ -22,7 +31,10 @@ from . import _checks, _traced
 from ._buffers import out_tensor, written
 from ._function import EagerFunction, first_order
 from ._ops import rmsnorm as ops
+from ._ops.determinism import refuse_nondeterministic
 from ._ops.sharding import any_dtensor
+from ._support import ARCHES, SUPPORTED_COMPUTE_CAPABILITIES  # noqa: F401
+from ._support import rmsnorm_route_key as route_key  # noqa: F401
 from ._ops.rmsnorm import rows as _rows
 from ._ops.strides import in_shape
 
@@ -32,8 +44,23 @@ __all__ = [
     "cake_rmsnorm_train_forward", "cake_rmsnorm_train_backward", "cake_rmsnorm", "CakeRMSNormFunction",
     "is_cake_rmsnorm_train_supported", "cake_rmsnorm_train_backward_workspace_bytes",
     "cake_rmsnorm_train_backward_workspace", "cake_rmsnorm_train_workspace_numel",
-    "cake_rmsnorm_train_allocate_workspace",
+    "cake_rmsnorm_train_allocate_workspace", "route_key", "ARCHES", "SUPPORTED_COMPUTE_CAPABILITIES",
 ]
+
+# FlashInfer's deterministic names before its det rename: resolved here to cakeops.cake_rmsnorm_det_train's objects
+# of that name on first access (not in __all__), as flashinfer.cake_rmsnorm_train does.
+_PREVIOUS_DET_NAMES = frozenset((
+    "CakeRMSNormDetFunction", "cake_rmsnorm_det", "cake_rmsnorm_det_train_backward",
+    "cake_rmsnorm_det_train_backward_workspace", "cake_rmsnorm_det_train_backward_workspace_bytes",
+    "cake_rmsnorm_det_train_forward", "is_cake_rmsnorm_det_train_supported",
+))
+
+
+def __getattr__(name: str):
+    if name in _PREVIOUS_DET_NAMES:
+        from . import cake_rmsnorm_det_train
+        return getattr(cake_rmsnorm_det_train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _check_x_w(x, w, x_name: str = "x"):
@@ -61,7 +88,7 @@ def _check_flags(deterministic) -> None:
 
 def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Optional[Tensor] = None,
                                out: Optional[Tensor] = None, rstd: Optional[Tensor] = None,
-                               residual_out: Optional[Tensor] = None):
+                               residual_out: Optional[Tensor] = None, deterministic: bool = True):
     """Fused RMSNorm forward (no autograd): ``(y, rstd)``, or ``(y, rstd, h_new)`` when ``residual`` is given.
 
     Args:
@@ -73,6 +100,9 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
             returned (fused add).
         out, rstd, residual_out: optional buffers for y (x's shape and dtype), rstd (FP32, x's leading shape
             ``x.shape[:-1]``) and h_new, of any layout; overwritten and returned as given.
+        deterministic: FlashInfer 0.7.4's keyword (default True). The forward has no cross-row sum: the same bits
+            either way. A bool (TypeError otherwise); False under ``torch.use_deterministic_algorithms(True)``
+            raises RuntimeError (``warn_only=True``: warns once), as FlashInfer's does.
 
     Returns:
         ``y = round((h * rstd) * w)`` in x's dtype, ``rstd = 1/sqrt(mean(h^2) + eps)`` FP32 ``x.shape[:-1]``,
@@ -88,6 +118,7 @@ def cake_rmsnorm_train_forward(x: Tensor, w: Tensor, eps: float, *, residual: Op
     """
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
+    refuse_nondeterministic(deterministic, "cake_rmsnorm_train_forward", "the forward (it has no cross-row sum)")
     if residual is not None:
         _check_like("residual", residual, x)
     elif residual_out is not None:
@@ -126,7 +157,8 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
             of the residual forward; then dx is the gradient of both x and residual). w: ``[H]`` as in the
             forward. rstd: FP32 from the forward, ``x.shape[:-1]`` or flattened ``[T]``.
         deterministic: True (default) sums dw in a fixed order, bitwise reproducible for a given T and device;
-            False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
+            False adds with atomics: under ``torch.use_deterministic_algorithms(True)`` it raises RuntimeError
+            (``warn_only=True``: warns once and runs the deterministic backward), as FlashInfer 0.7.4's.
         g_residual: optional gradient reaching h_new directly (residual mode), x's shape; added into dx.
         workspace: optional caller-owned scratch for the deterministic dw partials, from
             ``cake_rmsnorm_train_backward_workspace`` (uint8; an FP32 buffer of
@@ -150,7 +182,7 @@ def cake_rmsnorm_train_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, *
     _checks.same_device("rstd", rstd, "x", x)
     if g_residual is not None:
         _check_like("g_residual", g_residual, x)
-    _check_flags(deterministic)
+    deterministic = refuse_nondeterministic(deterministic, "cake_rmsnorm_train_backward", "the deterministic backward")
     if workspace is not None:
         workspace = _workspace_for_backward(workspace, x)
     dx = out_tensor("dx", dx, shape=x.shape, dtype=x.dtype, device=x.device)
@@ -185,6 +217,8 @@ class CakeRMSNormFunction(EagerFunction):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = None,
                 deterministic: bool = True):
+        if deterministic is not True:  # FlashInfer's rule: refused under torch.use_deterministic_algorithms(True)
+            deterministic = refuse_nondeterministic(deterministic, "cake_rmsnorm", "the deterministic backward")
         if not _eager_args_ok(x, w, eps, residual):  # the public function's checks and errors
             _check_x_w(x, w)
             eps = _checks.positive_float("eps", eps)
@@ -230,10 +264,10 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     (torch.Size([2, 8, 64]), True)
     """
     # DTensors exist only once torch.distributed.tensor is imported: skip the per-argument check before that.
+    if deterministic is not True:  # FlashInfer's rule: refused under torch.use_deterministic_algorithms(True)
+        deterministic = refuse_nondeterministic(deterministic, "cake_rmsnorm", "the deterministic backward")
     if not (_traced.through_ops() or (_DTENSOR_MODULE in sys.modules
                                       and any_dtensor(x=x, w=w, residual=residual))):
-        if type(deterministic) is not bool:
-            _check_flags(deterministic)
         return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
@@ -246,14 +280,18 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     return in_shape(y, x.shape), in_shape(h_new, x.shape)
 
 
-def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None) -> bool:
+def is_cake_rmsnorm_train_supported(device: Union[str, torch.device], hidden: Optional[int] = None, *,
+                                    deterministic: bool = True) -> bool:
     """True where the op runs on ``device`` (a torch.device or a string): CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer (the mHC
     projection feeds bf16 tiles to tensor cores, which Triton offers from Ampere on; the kernels are tested on
-    an H200, sm_90); ``hidden`` (optional): any hidden size >= 1.
+    an H200, sm_90); ``hidden`` (optional): any hidden size >= 1; ``deterministic`` (FlashInfer 0.7.4's keyword, a
+    bool): both modes run wherever the op does, and the answer does not depend on
+    ``torch.use_deterministic_algorithms``, as FlashInfer's.
 
     >>> is_cake_rmsnorm_train_supported("cpu", 4096), is_cake_rmsnorm_train_supported("cpu", 0)
     (True, False)
     """
+    _check_flags(deterministic)
     device = torch.device(device)
     if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
         return False
@@ -278,14 +316,15 @@ def _workspace_for_backward(workspace, x: Tensor) -> Tensor:
 
 
 def cake_rmsnorm_train_backward_workspace_bytes(rows: int, hidden: int, device: Union[str, torch.device], *,
-                                                residual: bool = False) -> int:
+                                                residual: bool = False, deterministic: bool = True) -> int:
     """Bytes of the caller-owned backward workspace serving every cake_rmsnorm_train_backward of up to ``rows``
     rows (tokens, leading dims flattened) of width ``hidden`` on ``device``, any x dtype.
 
     It holds the deterministic backward's FP32 dw partials ``[P, hidden]``, one row per program of the
     persistent grid (P grows with rows up to a few programs per multiprocessor), summed in a fixed order into
     dw. Written before read: no zeroing needed. ``residual`` is accepted for FlashInfer's signature and does not
-    change the size.
+    change the size; nor does ``deterministic`` (FlashInfer 0.7.4's keyword: the deterministic workspace serves
+    both backwards; False under ``torch.use_deterministic_algorithms(True)`` raises, as the backward does).
 
     >>> cake_rmsnorm_train_backward_workspace_bytes(4096, 4096, "cpu") > 0
     True
@@ -295,19 +334,22 @@ def cake_rmsnorm_train_backward_workspace_bytes(rows: int, hidden: int, device: 
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
         raise ValueError(f"hidden: expected the hidden size H (x.shape[-1]), an int >= 1, got {hidden!r}")
     del residual
+    refuse_nondeterministic(deterministic, "cake_rmsnorm_train_backward_workspace_bytes", "the same size")
     return 4 * max(cake_rmsnorm_train_workspace_numel(rows, hidden, device, dtype) for dtype in _checks.FLOAT_DTYPES)
 
 
 def cake_rmsnorm_train_backward_workspace(rows: int, hidden: int, device: Union[str, torch.device], *,
-                                          residual: bool = False) -> Tensor:
+                                          residual: bool = False, deterministic: bool = True) -> Tensor:
     """A zero-filled uint8 workspace of ``cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device)`` bytes
     on ``device`` for ``cake_rmsnorm_train_backward(..., workspace=...)``, reusable across calls of at most
-    ``rows`` rows of width ``hidden``; ``residual`` as in ..._bytes (no effect on the size).
+    ``rows`` rows of width ``hidden``; ``residual`` and ``deterministic`` as in ..._bytes (no effect on the size).
 
     >>> cake_rmsnorm_train_backward_workspace(8, 64, "cpu").dtype
     torch.uint8
     """
-    return torch.zeros(cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual),
+    deterministic = refuse_nondeterministic(deterministic, "cake_rmsnorm_train_backward_workspace", "the same size")
+    return torch.zeros(cake_rmsnorm_train_backward_workspace_bytes(rows, hidden, device, residual=residual,
+                                                                   deterministic=deterministic),
                        dtype=torch.uint8, device=device)
 
 

@@ -10,9 +10,9 @@ columns for every supported stream count n in SUPPORTED_N (n <= MAX_N = 8); colu
     RSTD  16           1/sqrt(mean(x^2) + rms_eps)
     17..31             zero (padding to 32 floats = 128 bytes per token)
 
-GATE starts at column 0, as PRE of the mHC record (mhc_layout.py) does: the weighted collapse of
-``_triton/mhc_streams.py`` reads column ``PRE + i`` of a record row, so it serves both records, told only the
-row stride. ``mix`` is kept so the backward never recomputes ``fn @ x`` (dscale needs it; the sigmoid's slope
+FlashInfer has no gated head: this record is cakeops' own and keeps its columns when the mHC record
+(mhc_layout.py) took FlashInfer's order. The weighted collapse of ``_triton/mhc_streams.py`` and backward_finish's
+``_dx_tile`` serve both records, told the row stride and the column of the first gate (GATE here, PRE there). ``mix`` is kept so the backward never recomputes ``fn @ x`` (dscale needs it; the sigmoid's slope
 is recomputed from it: g - hc_eps loses small sigmoid values when hc_eps is large).
 """
 

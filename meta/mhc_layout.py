@@ -4,20 +4,27 @@ n residual streams, n in SUPPORTED_STREAMS = (2, 4, 8); M = 2n + n*n mapping log
 the columns of both records for n; the module-level constants below are n = 4's (``layout_for(4)``), kept for
 the code that predates other n.
 
-``stats [T, STATS_WIDTH]`` FP32, written by forward_prepare / forward_stats:
+``stats [T, STATS_WIDTH]`` FP32, written by forward_prepare / forward_stats. Column order is FlashInfer 0.7.4's
+(``flashinfer.cake_mhc_det_train``: ``r | z[24] | pre[4] | post[4] | C[16] | pad[15]`` for n = 4), the same order
+with n's widths for n = 2 and 8, so a record either library wrote reads the same in the other:
 
-    columns                       what
-    PRE   0 .. n-1                pre_i  = sigmoid(mix_i*scale[0] + base_i) + hc_eps
-    POST  n .. 2n-1               post_j = 2*sigmoid(mix_{n+j}*scale[1] + base_{n+j})
-    COMB  2n .. 2n+n*n-1          comb[i, j] at COMB + i*n + j  (Sinkhorn output, doubly stochastic)
-    RSTD  2n+n*n (= M)            1/sqrt(mean(x^2) + rms_eps) over the K = n*C flattened streams
-    MIX   M+1 .. 2M               mix_m = rstd * (fn @ x)_m, the normalized logits before scale/base
-    STATS_USED = 2M+1 .. WIDTH-1  zero (padding)
+    columns                       what (FlashInfer's name)
+    RSTD  0                       r:    1/sqrt(mean(x^2) + rms_eps) over the K = n*C flattened streams
+    MIX   1 .. M                  z:    mix_m = rstd * (fn @ x)_m, the normalized logits before scale / base
+    PRE   M+1 .. M+n              pre:  pre_i  = sigmoid(mix_i*scale[0] + base_i) + hc_eps
+    POST  M+n+1 .. M+2n           post: post_j = 2*sigmoid(mix_{n+j}*scale[1] + base_{n+j})
+    COMB  M+2n+1 .. 2M            C:    comb[i, j] at COMB + i*n + j (Sinkhorn output, row-major)
+    STATS_USED = 2M+1 .. WIDTH-1  pad:  zero
 
-    n   M    PRE  POST  COMB  RSTD  MIX  STATS_USED  STATS_WIDTH
-    2   8    0    2     4     8     9    17          32   (128 bytes per token)
-    4   24   0    4     8     24    25   49          64   (256 bytes)
-    8   80   0    8     16    80    81   161         256  (1 KiB)
+    n   M    RSTD  MIX  PRE  POST  COMB  STATS_USED  STATS_WIDTH
+    2   8    0     1    9    11    13    17          32   (128 bytes per token)
+    4   24   0     1    25   29    33    49          64   (256 bytes; FlashInfer's [T, 64])
+    8   80   0     1    81   89    97    161         256  (1 KiB)
+
+``z`` is FlashInfer's ``(u * r) @ fn.T`` with ``u`` the FP32 flattened streams: the raw normalized logits, before
+``scale`` and ``base`` (cakeops computes ``r * (fn @ u)``, the same value: matmul first, multiply after, SPEC
+section 2). Until FlashInfer 0.7.4 documented its order, cakeops wrote ``pre | post | comb | rstd | mix`` (the same
+values and widths, other columns); no kernel output depends on the column order.
 
 ``mix`` is kept so the backward never recomputes ``fn @ x``: dscale needs it and the Sinkhorn backward replays
 the n x n iteration from it (cheap, per token, in registers).
@@ -87,10 +94,10 @@ def layout_for(n) -> MHCLayout:
 
 def _layout(n: int) -> MHCLayout:
     M = 2 * n + n * n
-    pre, post, comb = 0, n, 2 * n
-    rstd = comb + n * n
-    mix = rstd + 1
-    used = mix + M
+    rstd, mix = 0, 1
+    pre = mix + M
+    post, comb = pre + n, pre + 2 * n
+    used = comb + n * n
     dpost, dcomb = 0, n
     grad_used = dcomb + n * n
     return MHCLayout(n=n, N_LOGITS=M, PRE=pre, POST=post, COMB=comb, RSTD=rstd, MIX=mix, STATS_USED=used,
@@ -118,11 +125,11 @@ N_STREAMS = 4
 _L4 = layout_for(N_STREAMS)
 N_LOGITS = _L4.N_LOGITS  # 24
 
-PRE = _L4.PRE  # 0
-POST = _L4.POST  # 4
-COMB = _L4.COMB  # 8
-RSTD = _L4.RSTD  # 24
-MIX = _L4.MIX  # 25
+RSTD = _L4.RSTD  # 0
+MIX = _L4.MIX  # 1
+PRE = _L4.PRE  # 25
+POST = _L4.POST  # 29
+COMB = _L4.COMB  # 33
 STATS_USED = _L4.STATS_USED  # 49
 STATS_WIDTH = _L4.STATS_WIDTH  # 64
 

@@ -40,16 +40,17 @@ def _f64(*ts):
 def test_layout_per_n(n):
     L = mhc_layout.layout_for(n)
     M = 2 * n + n * n
-    assert L.N_LOGITS == M and (L.PRE, L.POST, L.COMB, L.RSTD, L.MIX) == (0, n, 2 * n, 2 * n + n * n, M + 1)
+    # FlashInfer 0.7.4's order r | z[M] | pre[n] | post[n] | C[n*n] | pad
+    assert L.N_LOGITS == M and (L.RSTD, L.MIX, L.PRE, L.POST, L.COMB) == (0, 1, M + 1, M + n + 1, M + 2 * n + 1)
     assert L.STATS_USED == 2 * M + 1 <= L.STATS_WIDTH < 2 * L.STATS_USED
     assert (L.DPOST, L.DCOMB, L.GRAD_STATS_USED) == (0, n, n + n * n)
     assert L.GRAD_STATS_USED <= L.GRAD_STATS_WIDTH < 2 * L.GRAD_STATS_USED
     for width in (L.STATS_WIDTH, L.GRAD_STATS_WIDTH):
         assert width & (width - 1) == 0
     assert {2: (32, 8), 4: (64, 32), 8: (256, 128)}[n] == (L.STATS_WIDTH, L.GRAD_STATS_WIDTH)
-    if n == 4:  # the module constants are n = 4's record, unchanged
+    if n == 4:  # the module constants are n = 4's record (FlashInfer's [T, 64] in its order)
         L4 = mhc_layout
-        assert (L4.STATS_WIDTH, L4.GRAD_STATS_WIDTH, L4.MIX, L4.RSTD) == (64, 32, 25, 24)
+        assert (L4.STATS_WIDTH, L4.GRAD_STATS_WIDTH, L4.RSTD, L4.MIX, L4.PRE, L4.POST, L4.COMB) == (64, 32, 0, 1, 25, 29, 33)
         assert L == mhc_layout.layout_for(mhc_layout.N_STREAMS)
 
 
@@ -194,9 +195,9 @@ def test_tiny_lm_trains_at_n_streams(n):
 
 def test_supported_query():
     for n in STREAMS:
-        assert mhc.is_cake_mhc_train_supported("cpu", 64, n)
+        assert mhc.is_cake_mhc_train_supported("cpu", 64, n_streams=n)
     for n in UNSUPPORTED + (True,):
-        assert not mhc.is_cake_mhc_train_supported("cpu", 64, n)
+        assert not mhc.is_cake_mhc_train_supported("cpu", 64, n_streams=n)
 
 
 SUPPORTED_SET = r"\{2, 4, 8\}"

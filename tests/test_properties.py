@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from cakeops import _backend
 from cakeops.cake_mhc_train import cake_mhc_train_forward_finish, cake_mhc_train_forward_prepare
 from cakeops.cake_rmsnorm_train import cake_rmsnorm_train_backward, cake_rmsnorm_train_forward
+from cakeops.meta import mhc_layout
 from cakeops.reference import mhc as mhc_ref
 from cakeops.reference import rmsnorm as rms_ref
 from cakeops.testing import rel_err
@@ -56,7 +57,8 @@ def test_mhc_forward_kernels_match_reference_and_sinkhorn_holds(T, C, iters, hc_
                                                iters)
     assert rel_err(U, ref_U) <= 1e-3 and rel_err(stats, ref_stats) <= 1e-3
     assert rel_err(Y, mhc_ref.forward_finish(X.double(), B.double(), ref_stats)) <= 1e-3
-    comb = stats[:, 8:24].reshape(T, 4, 4)
+    L = mhc_layout.layout_for(4)
+    comb = stats[:, L.COMB:L.COMB + 16].reshape(T, 4, 4)
     assert (comb >= 0).all()
     # the last Sinkhorn step normalizes columns: each sums to S / (S + hc_eps) < 1; with many iterations and a
     # small eps the matrix is doubly stochastic

@@ -15,6 +15,7 @@ from .. import _traced
 from .. import _mhc_args as args
 from .._function import EagerFunction, first_order
 from .._ops import mhc as ops
+from .._ops.determinism import resolve_deterministic
 from .._ops.sharding import any_dtensor
 from .._ops.strides import in_shape, unit_last
 from .._recompute import RecomputePlan
@@ -194,8 +195,10 @@ def cake_mhc_train_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *
     (same bits). ``workspace`` / ``backward_workspace``: optional caller-owned scratch of the forward (and of a
     stats recompute) and of the backward (``cake_mhc_train_forward_workspace`` /
     ``cake_mhc_train_backward_workspace``), kept by the layer until its backward ran; checked here, unused by
-    the CPU reference, and under torch.compile (Inductor plans memory there). ``deterministic`` (cakeops'
-    extension, default True): False sums the parameter gradients with atomics.
+    the CPU reference, and under torch.compile (Inductor plans memory there). ``deterministic`` (default True;
+    FlashInfer 0.7.4's experimental keyword): False sums the parameter gradients with atomics. False while
+    ``torch.use_deterministic_algorithms(True)`` is in effect makes a deterministic layer and warns once per
+    process (FlashInfer's fallback); a False layer whose backward runs after they were enabled raises there.
 
     ``recompute`` (cakeops' extension, default None): a ``cakeops.nn.StreamRecompute`` shared by consecutive
     layers -- stream recompute (DeepSeek's mHC paper §4.3.2) for code that calls this pair itself instead of
@@ -231,7 +234,7 @@ def _prepare(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, save_stats, wo
     X3 = ops.flat(X, 3)
     hp = _check_prepare_inputs(X3, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
     args.flag("save_stats", save_stats)
-    args.flag("deterministic", deterministic)
+    deterministic = resolve_deterministic(deterministic, "cake_mhc_train_prepare")
     dtensor = any_dtensor(X=X, fn=fn, scale=scale, base=base)
     if _traced.through_ops() or dtensor:
         if recompute is not None and not torch.compiler.is_compiling():

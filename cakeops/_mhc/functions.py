@@ -14,6 +14,7 @@ from .. import _mhc_args as args
 from .._buffers import out_tensor, written
 from .._checks import FLOAT_DTYPES, tensor
 from .._ops import mhc as ops
+from .._ops.determinism import resolve_deterministic
 from ..meta import mhc_layout as layout
 from .workspace import _BWD_HELPER, _FWD_HELPER, _backward_need, _forward_need, _workspace_for
 
@@ -33,8 +34,8 @@ def _check_branch_output(name: str, B, X: Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                                    hc_eps: float = 1e-6, sinkhorn_iters: int = 20, out: Optional[Tensor] = None,
-                                   stats_out: Optional[Tensor] = None,
-                                   workspace: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                   stats_out: Optional[Tensor] = None, workspace: Optional[Tensor] = None,
+                                   deterministic: bool = True) -> Tuple[Tensor, Tensor]:
     """Forward of one mHC layer up to the branch: ``(U, stats)`` (no autograd; see cake_mhc_train_prepare).
 
     Per token, ``x = X[t]`` flattened (``n*C``) is RMS-normalized and projected by ``fn`` to M = 2n + n*n logits
@@ -53,10 +54,14 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
             (S = 32 / 64 / 256 for n = 2 / 4 / 8; any layout, overwritten, returned).
         workspace: optional caller-owned scratch (``cake_mhc_train_forward_workspace``): with it and the output
             buffers the call allocates nothing (CUDA-graph capture, static buffers). Unused by the CPU reference.
+        deterministic: FlashInfer 0.7.4's keyword (its experimental namespace; default True): the forward has no
+            cross-token sum, so both values give the same bits. A bool (TypeError otherwise); False under
+            ``torch.use_deterministic_algorithms(True)`` warns once per process, as FlashInfer's fallback does.
 
     Returns:
-        ``U [T, C]`` in X's dtype and ``stats [T, S]`` FP32 (the record finish and the backward read: pre,
-        post, comb, rstd, mix; layout in ``cakeops.meta.mhc_layout.layout_for(n)``).
+        ``U [T, C]`` in X's dtype and ``stats [T, S]`` FP32 (the record finish and the backward read, FlashInfer's
+        columns ``r | z[M] | pre[n] | post[n] | C[n*n] | pad``: rstd, the logits ``rstd * (fn @ x)`` before
+        scale / base, the gates, comb row-major, zeros; ``cakeops.meta.mhc_layout.layout_for(n)``).
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -66,6 +71,7 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
     (torch.Size([5, 32]), torch.bfloat16, torch.Size([5, 64]), torch.float32)
     """
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    resolve_deterministic(deterministic, "cake_mhc_train_forward_prepare")
     T, n, C = X.shape
     out = out_tensor("out", out, shape=(T, C), dtype=X.dtype, device=X.device)
     stats_out = out_tensor("stats_out", stats_out, shape=(T, layout.stats_width(n)), dtype=torch.float32,
@@ -79,14 +85,16 @@ def cake_mhc_train_forward_prepare(X: Tensor, fn: Tensor, scale: Tensor, base: T
 
 def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, *, rms_eps: float = 1e-5,
                                  hc_eps: float = 1e-6, sinkhorn_iters: int = 20, stats_out: Optional[Tensor] = None,
-                                 workspace: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+                                 workspace: Optional[Tensor] = None, deterministic: bool = True,
+                                 out: Optional[Tensor] = None) -> Tensor:
     """The ``stats [T, S]`` FP32 record alone (S = 32 / 64 / 256 for n = 2 / 4 / 8), bitwise equal to forward_prepare's (checkpoint replay: the
     backward of a layer whose record was dropped).
 
     Arguments as in cake_mhc_train_forward_prepare (X, fn, scale, base; rms_eps, hc_eps > 0 with defaults 1e-5,
     1e-6; sinkhorn_iters 1..64, default 20: those of the forward being replayed). ``stats_out``: optional FP32 ``[T, S]`` buffer
     (``out`` is cakeops' older name for it, still accepted; give one of the two). ``workspace``: as in
-    forward_prepare (the same layout and helper).
+    forward_prepare (the same layout and helper). ``deterministic``: as in forward_prepare (the same bits either
+    way).
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -96,6 +104,7 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
     True
     """
     hp = _check_prepare_inputs(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    resolve_deterministic(deterministic, "cake_mhc_train_forward_stats")
     if out is not None:
         if stats_out is not None:
             raise ValueError("out: an older name of stats_out; give stats_out only")
@@ -111,13 +120,15 @@ def cake_mhc_train_forward_stats(X: Tensor, fn: Tensor, scale: Tensor, base: Ten
                                                   workspace=ws)[1], stats_out)
 
 
-def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None) -> Tensor:
+def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: Optional[Tensor] = None,
+                                  deterministic: bool = True) -> Tensor:
     """The layer output ``Y[t, j, c] = round(post_j * B[t, c] + sum_i comb[i, j] * X[t, i, c])``.
 
     Args:
         X: ``[T, n, C]`` streams as given to forward_prepare (n in {2, 4, 8}); B: ``[T, C]`` the branch's
             output (any float dtype); stats: FP32 ``[T, S]`` from forward_prepare / forward_stats.
         out: optional ``[T, n, C]`` buffer in X's dtype.
+        deterministic: as in forward_prepare (no cross-token sum: the same bits either way).
 
     Returns:
         ``Y [T, n, C]`` in X's dtype (FP32 inside, rounded once).
@@ -131,6 +142,7 @@ def cake_mhc_train_forward_finish(X: Tensor, B: Tensor, stats: Tensor, *, out: O
     (torch.Size([5, 4, 32]), torch.bfloat16)
     """
     args.streams("X", X)
+    resolve_deterministic(deterministic, "cake_mhc_train_forward_finish")
     T, n, C = X.shape
     args.like("B", B, X, (T, C))
     args.stats("stats", stats, X, layout.stats_width(n))
@@ -187,7 +199,8 @@ def cake_mhc_train_head_backward(dY: Tensor, *, dX: Optional[Tensor] = None, acc
 
 
 def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Tensor, *, dB: Optional[Tensor] = None,
-                                    grad_stats_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                                    grad_stats_out: Optional[Tensor] = None,
+                                    deterministic: bool = True) -> Tuple[Tensor, Tensor]:
     """The finish node's backward, before the branch's: ``(dB, grad_stats)``.
 
     ``dB[t, c] = round(sum_j post_j * dY[t, j, c])`` is the gradient to send into the branch's backward;
@@ -198,6 +211,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
         dY: ``[T, n, C]`` gradient of Y in X's dtype; B: ``[T, C]`` the branch output of the forward;
         X: ``[T, n, C]`` the forward's streams (n in {2, 4, 8}); stats: FP32 ``[T, S]`` of the forward.
         dB: optional ``[T, C]`` buffer in B's dtype; grad_stats_out: optional FP32 ``[T, G]``.
+        deterministic: as in forward_prepare (no cross-token sum: the same bits either way).
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -209,6 +223,7 @@ def cake_mhc_train_backward_prepare(dY: Tensor, B: Tensor, X: Tensor, stats: Ten
     (torch.Size([5, 32]), torch.Size([5, 32]))
     """
     args.streams("X", X)
+    resolve_deterministic(deterministic, "cake_mhc_train_backward_prepare")
     T, n, C = X.shape
     args.like("dY", dY, X, X.shape)
     _check_branch_output("B", B, X)
@@ -246,8 +261,10 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
             dscale, dbase given, the call allocates nothing. Unused by the CPU reference.
         dX: optional ``[T, n, C]`` in X's dtype; dfn ``[M, n*C]``, dscale ``[3]``, dbase ``[M]``:
             optional FP32 buffers.
-        deterministic: (cakeops' extension, default True) fixed-order sums over the tokens, bitwise
-            reproducible; False adds with atomics (raises under ``torch.use_deterministic_algorithms(True)``).
+        deterministic: (default True) fixed-order sums over the tokens, bitwise reproducible; False adds with
+            atomics. False under ``torch.use_deterministic_algorithms(True)`` runs the deterministic backward and
+            warns once per process (FlashInfer 0.7.4's fallback); the op itself
+            (``torch.ops.cakeops.mhc_backward_finish``) with deterministic=False still raises there.
 
     >>> T, C = 5, 32
     >>> X = torch.randn(T, 4, C, dtype=torch.bfloat16)
@@ -268,7 +285,7 @@ def cake_mhc_train_backward_finish(X: Tensor, dY: Tensor, dU: Tensor, B: Optiona
         _check_branch_output("B", B, X)
     args.stats("stats", stats, X, layout.stats_width(n))
     args.stats("grad_stats", grad_stats, X, layout.grad_stats_width(n))
-    args.flag("deterministic", deterministic)
+    deterministic = resolve_deterministic(deterministic, "cake_mhc_train_backward_finish")
     args.flag("accumulate", accumulate)
     dX = out_tensor("dX", dX, shape=X.shape, dtype=X.dtype, device=X.device)
     dfn = out_tensor("dfn", dfn, shape=fn.shape, dtype=torch.float32, device=X.device)

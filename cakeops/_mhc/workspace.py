@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .. import _traced
 from .. import _mhc_args as args
+from .._ops.determinism import resolve_deterministic
 from ..meta import mhc_layout as layout
 
 
@@ -63,7 +64,8 @@ def _size_args(T, device, hidden) -> torch.device:
     return torch.device(device)
 
 
-def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096, n_streams: int = 4) -> int:
+def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096, deterministic: bool = True,
+                                           n_streams: int = 4) -> int:
     """Bytes of the caller-owned forward workspace (forward_prepare, forward_stats, cake_mhc_train_prepare's
     ``workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` (X.shape[-1]) on
     ``device``, any dtype of X, with ``n_streams`` streams (cakeops' extension: 2, 4 or 8, default 4). T == 0
@@ -73,6 +75,7 @@ def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096
     projection feeds them to tensor cores; used for bf16 X), then the projection's FP32 partials
     ``[slices, T, M_PAD]`` (M_PAD = 16 / 32 / 128 for n = 2 / 4 / 8; ``slices``: column slices per token block,
     1 to 8, more when T is small next to the GPU). For n = 4 about ``384*hidden + 128*T*slices`` bytes. The kernels write before they read: no zeroing needed.
+    ``deterministic`` (FlashInfer 0.7.4's keyword): one layout for both values, as FlashInfer's.
 
     >>> cake_mhc_train_forward_workspace_bytes(1024, "cpu", hidden=4096) > 0
     True
@@ -80,12 +83,14 @@ def cake_mhc_train_forward_workspace_bytes(T: int, device, *, hidden: int = 4096
     from .._triton.mhc_prepare import workspace_bytes_max
 
     device = _size_args(T, device, hidden)
+    resolve_deterministic(deterministic, "cake_mhc_train_forward_workspace_bytes")
     return workspace_bytes_max(T, args.n_streams("n_streams", n_streams), hidden, device)
 
 
-def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096, n_streams: int = 4) -> Tensor:
+def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096, deterministic: bool = True,
+                                     n_streams: int = 4) -> Tensor:
     """A zero-filled uint8 forward workspace of ``cake_mhc_train_forward_workspace_bytes(T, device,
-    hidden=hidden, n_streams=n_streams)`` bytes on ``device``: reusable by every later forward call of at most T tokens.
+    hidden=hidden, deterministic=deterministic, n_streams=n_streams)`` bytes on ``device``: reusable by every later forward call of at most T tokens.
 
     >>> ws = cake_mhc_train_forward_workspace(5, "cpu", hidden=32)
     >>> X = torch.randn(5, 4, 32, dtype=torch.bfloat16)
@@ -94,13 +99,14 @@ def cake_mhc_train_forward_workspace(T: int, device, *, hidden: int = 4096, n_st
     >>> ws.dtype, U.shape
     (torch.uint8, torch.Size([5, 32]))
     """
-    return torch.zeros(cake_mhc_train_forward_workspace_bytes(T, device, hidden=hidden, n_streams=n_streams),
+    deterministic = resolve_deterministic(deterministic, "cake_mhc_train_forward_workspace")
+    return torch.zeros(cake_mhc_train_forward_workspace_bytes(T, device, hidden=hidden, deterministic=deterministic,
+                                                              n_streams=n_streams),
                        dtype=torch.uint8, device=device)
 
 
-def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 4096,
-                                            sinkhorn_iters: Optional[int] = None, deterministic: bool = True,
-                                            n_streams: int = 4) -> int:
+def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 4096, deterministic: bool = True,
+                                            sinkhorn_iters: Optional[int] = None, n_streams: int = 4) -> int:
     """Bytes of the caller-owned backward workspace (backward_finish's ``workspace``, cake_mhc_train_prepare's
     ``backward_workspace``) serving every call of up to ``T`` tokens of hidden size ``hidden`` on ``device``.
 
@@ -110,7 +116,8 @@ def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 409
     partials ``[splits, 24, 4*hidden]`` (deterministic only) | the dpre partials ``[slices, T, 4]``. cakeops'
     extensions (keywords FlashInfer lacks): ``n_streams`` (2, 4 or 8, default 4),
     ``sinkhorn_iters`` (None: sized for every count 1..64; give the count to size it for that count alone) and
-    ``deterministic`` (False needs no dfn partials; a deterministic workspace serves both).
+    ``deterministic`` (FlashInfer 0.7.4's keyword: False needs no dfn partials; a deterministic workspace serves
+    both; False under ``torch.use_deterministic_algorithms(True)`` sizes the deterministic one and warns once).
 
     >>> cake_mhc_train_backward_workspace_bytes(1024, "cpu", hidden=4096) > 0
     True
@@ -120,22 +127,23 @@ def cake_mhc_train_backward_workspace_bytes(T: int, device, *, hidden: int = 409
     device = _size_args(T, device, hidden)
     if sinkhorn_iters is not None:
         args.hparams(1.0, 1.0, sinkhorn_iters)
-    args.flag("deterministic", deterministic)
+    deterministic = resolve_deterministic(deterministic, "cake_mhc_train_backward_workspace_bytes")
     return backward_finish_workspace_bytes_max(T, hidden, device, deterministic, sinkhorn_iters,
                                                n=args.n_streams("n_streams", n_streams))
 
 
-def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sinkhorn_iters: Optional[int] = None,
-                                      deterministic: bool = True, n_streams: int = 4) -> Tensor:
+def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, deterministic: bool = True,
+                                      sinkhorn_iters: Optional[int] = None, n_streams: int = 4) -> Tensor:
     """A zero-filled uint8 backward workspace of ``cake_mhc_train_backward_workspace_bytes(T, device,
-    hidden=hidden, sinkhorn_iters=sinkhorn_iters, deterministic=deterministic, n_streams=n_streams)`` bytes on ``device``, reusable by
-    every later backward call of at most T tokens.
+    hidden=hidden, deterministic=deterministic, sinkhorn_iters=sinkhorn_iters, n_streams=n_streams)`` bytes on
+    ``device``, reusable by every later backward call of at most T tokens.
 
     >>> cake_mhc_train_backward_workspace(5, "cpu", hidden=32).dtype
     torch.uint8
     """
-    return torch.zeros(cake_mhc_train_backward_workspace_bytes(T, device, hidden=hidden, sinkhorn_iters=sinkhorn_iters,
-                                                               deterministic=deterministic, n_streams=n_streams),
+    deterministic = resolve_deterministic(deterministic, "cake_mhc_train_backward_workspace")
+    return torch.zeros(cake_mhc_train_backward_workspace_bytes(T, device, hidden=hidden, deterministic=deterministic,
+                                                               sinkhorn_iters=sinkhorn_iters, n_streams=n_streams),
                        dtype=torch.uint8, device=device)
 
 
@@ -143,14 +151,18 @@ def cake_mhc_train_backward_workspace(T: int, device, *, hidden: int = 4096, sin
 # Support queries
 # ---------------------------------------------------------------------------------------------
 
-def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, n_streams: int = layout.N_STREAMS) -> bool:
+def is_cake_mhc_train_supported(device, hidden: Optional[int] = None, *, deterministic: bool = True,
+                                n_streams: int = layout.N_STREAMS) -> bool:
     """True where the layer ops run on ``device``: CPU (reference math) and CUDA GPUs of compute capability 8.0 or newer;
-    ``hidden`` (C, optional): any int >= 1; ``n_streams`` (cakeops' extension): 2, 4 or 8.
+    ``hidden`` (C, optional): any int >= 1; ``deterministic`` (FlashInfer 0.7.4's keyword): both modes run
+    wherever the ops do (False under ``torch.use_deterministic_algorithms(True)`` warns once, as FlashInfer's);
+    ``n_streams`` (cakeops' extension, keyword only): 2, 4 or 8.
 
     >>> is_cake_mhc_train_supported("cpu", hidden=4096), is_cake_mhc_train_supported("cpu", hidden=0)
     (True, False)
     """
     from ..cake_rmsnorm_train import is_cake_rmsnorm_train_supported
+    resolve_deterministic(deterministic, "is_cake_mhc_train_supported")
     supported = not isinstance(n_streams, bool) and n_streams in layout.SUPPORTED_STREAMS
     return supported and is_cake_rmsnorm_train_supported(device, hidden)
 

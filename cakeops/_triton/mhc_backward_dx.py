@@ -40,16 +40,17 @@ def _dx_kernel(
                              (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + M, mask=t_ok, other=0.0)
         _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
-                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM)
+                 stride_ut, stride_st, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, PRE(N))
 
 
 @triton.jit
 def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, stride_dyt, stride_dyi,
              stride_ut, stride_st, stride_dxt, stride_dxi, N: tl.constexpr, PRECISION: tl.constexpr,
-             X_PER_STREAM: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
+             X_PER_STREAM: tl.constexpr, GATES: tl.constexpr, MIX_STREAMS: tl.constexpr = True):
     """dX = round(pre_i*dU + sum_j comb[i,j]*dY_j - x_i*s + (dz @ fn)_i) on one [N, BLOCK_T, BLOCK_C] tile;
     t64 / t_ok are [1, BLOCK_T, 1], c / c_ok [1, 1, BLOCK_C], fn_i [N, M_PAD, BLOCK_C], dz [N, BLOCK_T, M_PAD].
-    MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX, whose gates sit at PRE.
+    pre_i is read at column GATES + i of a record row (PRE(N) of the mHC stats, GATE of the gated head's record).
+    MIX_STREAMS=False drops the residual-mixing term (DY unread): the gated head's dX.
     Returns the FP32 x tile (the gated head reuses it for dfn)."""
     i = tl.arange(0, N)[:, None, None]
     s_row = STATS + t64 * stride_st
@@ -62,7 +63,7 @@ def _dx_tile(X, DY, DU, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, s
     else:
         x = tl.load(X + t64 * stride_xt + i * stride_xi + c, mask=mask, other=0.0).to(tl.float32)
     du = tl.load(DU + t64 * stride_ut + c, mask=mask, other=0.0).to(tl.float32)
-    dx = tl.load(s_row + PRE(N) + i, mask=t_ok, other=0.0) * du - x * s
+    dx = tl.load(s_row + GATES + i, mask=t_ok, other=0.0) * du - x * s
     if MIX_STREAMS:
         for j in tl.static_range(N):
             dy = tl.load(DY + t64 * stride_dyt + j * stride_dyi + c, mask=mask, other=0.0).to(tl.float32)

@@ -12,33 +12,33 @@ import triton
 
 
 @triton.constexpr_function
-def PRE(N):
-    return 0
-
-
-@triton.constexpr_function
-def POST(N):
-    return N
-
-
-@triton.constexpr_function
-def COMB(N):
-    return 2 * N
-
-
-@triton.constexpr_function
 def RSTD(N):
-    return 2 * N + N * N  # M, the number of logits
+    return 0  # FlashInfer's r
 
 
 @triton.constexpr_function
 def MIX(N):
-    return 2 * N + N * N + 1
+    return 1  # FlashInfer's z: M = 2N + N*N logits
+
+
+@triton.constexpr_function
+def PRE(N):
+    return 1 + 2 * N + N * N
+
+
+@triton.constexpr_function
+def POST(N):
+    return 1 + 3 * N + N * N
+
+
+@triton.constexpr_function
+def COMB(N):
+    return 1 + 4 * N + N * N
 
 
 @triton.constexpr_function
 def STATS_USED(N):
-    return 2 * (2 * N + N * N) + 1  # gates and Sinkhorn output (M), rstd, mix (M)
+    return 2 * (2 * N + N * N) + 1  # rstd, mix (M), gates and Sinkhorn output (M)
 
 
 @triton.constexpr_function

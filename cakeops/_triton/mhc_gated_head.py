@@ -66,7 +66,7 @@ _MIX = tl.constexpr(layout.MIX)
 _RSTD = tl.constexpr(layout.RSTD)
 _WIDTH = tl.constexpr(layout.HEAD_STATS_WIDTH)
 M_PAD = 16  # n logits padded to a tl.dot dimension (>= 16); column n of a partial / dz row carries a scalar
-assert layout.MAX_N < M_PAD and layout.GATE == mhc_layout.PRE  # collapse and _dx_tile read the gates at PRE
+assert layout.MAX_N < M_PAD  # collapse and _dx_tile are told the gates' column (GATE)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def forward(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         N=n, M_PAD=M_PAD, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
     if Y is not None:
-        collapse(X, stats, Y, config=StreamConfig(block_c=cfg.collapse_block_c))
+        collapse(X, stats, Y, layout.GATE, config=StreamConfig(block_c=cfg.collapse_block_c))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ def _head_dx_kernel(X, DY, FN, STATS, DZ, DX, DFN, T, C, blocks_per_split,
                              (N, BLOCK_T, M_PAD))
         s = tl.load(DZ + t64 * M_PAD + N, mask=t_ok, other=0.0)
         x = _dx_tile(X, DY, DY, STATS, DX, fn_i, dz, s, t64, t_ok, c, c_ok, stride_xt, stride_xi, 0, 0, stride_dyt,
-                     _WIDTH, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, False)
+                     _WIDTH, stride_dxt, stride_dxi, N, PRECISION, X_PER_STREAM, _GATE, False)
         if FUSED_DFN:
             t_col = block * BLOCK_T + tt_col
             dz_t = tl.load(DZ + t_col.to(tl.int64) * M_PAD + m_row, mask=(t_col < T) & (m_row < N), other=0.0)

@@ -544,4 +544,4 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         N=n, M_PAD=m_pad, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
     if U is not None:
-        collapse(X, stats, U, config=StreamConfig(block_c=cfg.collapse_block_c))
+        collapse(X, stats, U, PRE(n), config=StreamConfig(block_c=cfg.collapse_block_c))

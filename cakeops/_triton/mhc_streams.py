@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .fast_launch import fast
-from .mhc_columns import PRE, POST, COMB, STATS_WIDTH
+from .mhc_columns import POST, COMB, STATS_WIDTH
 from .launch import cdiv, next_power_of_2
 
 
@@ -91,8 +91,9 @@ def _rebuild_kernel(
 @triton.jit
 def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st, c_blocks,
                      N: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_C: tl.constexpr):
-    """WEIGHTED: Y = sum_i pre_i * X_i, pre_i at column PRE + i of the record row (stride_st floats apart: the
-    mHC stats, forward_prepare's collapse U, or the gated head's record, meta/mhc_head_layout.py); else the
+    """WEIGHTED: Y = sum_i pre_i * X_i, pre_i at column i of STATS' rows (stride_st floats apart; STATS points at
+    the first gate of the record: the mHC stats' PRE column for forward_prepare's collapse U, the gated head's GATE,
+    meta/mhc_head_layout.py); else the
     head, Y = ((0 + X0) + X1) + ... + X_{n-1}) / n: the order and the one rounding of X.mean(dim=1)."""
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
@@ -100,7 +101,7 @@ def _collapse_kernel(X, STATS, Y, C, stride_xt, stride_xi, stride_yt, stride_st,
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
         if WEIGHTED:
-            acc += tl.load(STATS + t * stride_st + PRE(N) + i) * x
+            acc += tl.load(STATS + t * stride_st + i) * x
         else:
             acc += x
     if not WEIGHTED:
@@ -233,11 +234,12 @@ def head_forward(X: torch.Tensor, Y: torch.Tensor, *, config: Optional[StreamCon
     _collapse(X, None, Y, config)
 
 
-def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, *, config: Optional[StreamConfig] = None) -> None:
-    """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre_i at column PRE + i of a record row (the mHC
-    stats, or the gated head's record: its GATE column is PRE)."""
+def collapse(X: torch.Tensor, stats: torch.Tensor, U: torch.Tensor, gates: int, *,
+             config: Optional[StreamConfig] = None) -> None:
+    """U[t, c] = round(sum_i pre_i * X[t, i, c]), FP32 inside, pre_i at column ``gates`` + i of a record row (the
+    mHC stats' PRE(n), or the gated head's record's GATE)."""
     assert stats.stride(1) == 1
-    _collapse(X, stats, U, config)
+    _collapse(X, stats[:, gates:], U, config)
 
 
 def _collapse(X, stats, Y, config):
