@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .mhc_columns import RSTD, MIX, DPOST, DCOMB
-from .mhc_math import sigmoid, sinkhorn
+from .mhc_math import logit, sigmoid, sinkhorn
 
 
 @triton.jit
@@ -141,8 +141,8 @@ def _dlogits_block(dpre, t64, t_ok, C, STATS, GS, DZ, stride_st, stride_gt, scal
     dpost = tl.load(g_row[:, None] + DPOST(N) + j[None, :], mask=t_ok[:, None], other=0.0)
     dcomb = tl.load(g_row[:, None, None] + DCOMB(N) + ij[None, :, :], mask=t_ok[:, None, None], other=0.0)
     # The sigmoids come from the logits, not from the stored gates: pre - eps loses small values.
-    sg_pre = sigmoid(mix_pre * scale_pre + base_pre)
-    sg_post = sigmoid(mix_post * scale_post + base_post)
+    sg_pre = sigmoid(logit(mix_pre, scale_pre, base_pre))
+    sg_post = sigmoid(logit(mix_post, scale_post, base_post))
     dl_pre = dpre * sg_pre * (1.0 - sg_pre)
     dl_post = dpost * 2.0 * sg_post * (1.0 - sg_post)
     dl_res = _sinkhorn_backward(mix_res, scale_res, base_res, dcomb, hc_eps, iters, scr, STEP)

@@ -55,7 +55,7 @@ from . import arch
 from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dx import _dfn_kernel, _dx_tile
 from .mhc_backward_finish import _precision, _split, _zero_unless_accumulate
-from .mhc_math import sigmoid
+from .mhc_math import logit, sigmoid
 from .mhc_prepare import (PrepareConfig, _project, _split_fn_kernel, projection_args, projection_options,
                           unset_fields)
 from .mhc_streams import StreamConfig, collapse
@@ -108,7 +108,7 @@ def _head_gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps,
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_sq, (N * C) * 1.0) + rms_eps))
     mix = acc * rstd[:, None]
     base = tl.load(BASE + m, mask=m < N, other=0.0)
-    gate = sigmoid(mix * tl.load(SCALE) + base[None, :]) + hc_eps
+    gate = sigmoid(logit(mix, tl.load(SCALE), base[None, :])) + hc_eps
     row = STATS + t64 * _WIDTH
     ok = t_ok[:, None] & (m < N)[None, :]
     tl.store(row[:, None] + _GATE + m[None, :], gate, mask=ok)
@@ -403,7 +403,7 @@ def _head_dlogits_kernel(DG, STATS, SCALE, BASE, DZ, PART, DBASE, DSCALE, T, C, 
     mix = tl.load(row[:, None] + _MIX + j[None, :], mask=ok, other=0.0)
     rstd = tl.load(row + _RSTD, mask=t_ok, other=0.0)
     scale = tl.load(SCALE)
-    sg = sigmoid(mix * scale + tl.load(BASE + j)[None, :])
+    sg = sigmoid(logit(mix, scale, tl.load(BASE + j)[None, :]))
     dlogit = dg * sg * (1.0 - sg)  # tokens past T: dg = 0
     dmix = dlogit * scale
     dz_row = DZ + t64 * M_PAD

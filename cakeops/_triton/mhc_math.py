@@ -20,6 +20,16 @@ def sigmoid(z):
 
 
 @triton.jit
+def logit(mix, scale, base):
+    """mix * scale + base as one explicit fused multiply-add. Written as ``mix * scale + base`` the compiler fuses
+    the product into the add or not depending on the code around it: the gates kernel of forward_prepare and the
+    Sinkhorn replay then rounded the logits differently (H100, 2026-12-06, after the record's columns moved), and
+    the replay is only exact on the forward's bits. Shapes broadcast as ``mix * scale + base`` would."""
+    z = mix * scale + base  # only its shape is used: dead code to the compiler
+    return tl.fma(tl.broadcast_to(mix, z.shape), tl.broadcast_to(scale, z.shape), tl.broadcast_to(base, z.shape))
+
+
+@triton.jit
 def bf16_pieces(v):
     """FP32 v as bf16 (hi, lo), hi = round(v), lo = round(v - hi): ~16 mantissa bits together, so two bf16 MMAs
     against a bf16 operand (exact in bf16) beat one TF32 MMA in accuracy and, on an H200, in speed."""
@@ -55,7 +65,7 @@ def sinkhorn(mix_res, scale_res, base_res, hc_eps, iters, scr, STEP: tl.constexp
 
     RECORD: the input of normalization step s is stored at ``scr + s*STEP`` (2*iters - 1 steps) for the
     backward; the arithmetic is the same either way."""
-    s = softmax_rows(mix_res * scale_res + base_res)
+    s = softmax_rows(logit(mix_res, scale_res, base_res))
     p = s + hc_eps
     if RECORD:
         tl.store(scr, p)

@@ -35,7 +35,7 @@ from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, lo
 from .._backend import interpreting
 from . import arch
 from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
-from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, sigmoid, sinkhorn
+from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, logit, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
 
 
@@ -222,8 +222,8 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
     row_ok = t_ok[:, None]
     z_pre = tl.load(s_row[:, None] + MIX(N) + j[None, :], mask=row_ok, other=0.0)
     z_post = tl.load(s_row[:, None] + MIX(N) + N + j[None, :], mask=row_ok, other=0.0)
-    pre = sigmoid(z_pre * tl.load(SCALE) + tl.load(BASE + j)[None, :]) + hc_eps
-    post = 2.0 * sigmoid(z_post * tl.load(SCALE + 1) + tl.load(BASE + N + j)[None, :])
+    pre = sigmoid(logit(z_pre, tl.load(SCALE), tl.load(BASE + j)[None, :])) + hc_eps
+    post = 2.0 * sigmoid(logit(z_post, tl.load(SCALE + 1), tl.load(BASE + N + j)[None, :]))
     ij = j[:, None] * N + j[None, :]
     z_res = tl.load(s_row[:, None, None] + MIX(N) + 2 * N + ij[None, :, :], mask=row_ok[:, :, None], other=0.0)
     comb, _ = sinkhorn(z_res, tl.load(SCALE + 2), tl.load(BASE + 2 * N + ij)[None, :, :], hc_eps, iters,
