@@ -21,10 +21,10 @@ def sigmoid(z):
 
 @triton.jit
 def logit(mix, scale, base):
-    """mix * scale + base as one explicit fused multiply-add. Written as ``mix * scale + base`` the compiler fuses
-    the product into the add or not depending on the code around it: the gates kernel of forward_prepare and the
-    Sinkhorn replay then rounded the logits differently (H100, 2026-12-06, after the record's columns moved), and
-    the replay is only exact on the forward's bits. Shapes broadcast as ``mix * scale + base`` would."""
+    """mix * scale + base as one explicit fused multiply-add. Written as ``mix * scale + base`` the compiler may
+    fuse the product into the add or not, depending on the code around it and the kernel's specialization (as
+    forward_finish's mix did: mhc_streams._mix_in), and the forward's gates and the backward's replay of them must
+    round alike. Shapes broadcast as ``mix * scale + base`` would."""
     z = mix * scale + base  # only its shape is used: dead code to the compiler
     return tl.fma(tl.broadcast_to(mix, z.shape), tl.broadcast_to(scale, z.shape), tl.broadcast_to(base, z.shape))
 
