@@ -230,6 +230,15 @@ def _gates_kernel(PART, SCALE, BASE, STATS, slices, T, C, rms_eps, hc_eps, iters
                        STATS, 0, False)  # no scratch: nothing recorded
     tl.store(s_row[:, None] + PRE(N) + j[None, :], pre, mask=row_ok)
     tl.store(s_row[:, None] + POST(N) + j[None, :], post, mask=row_ok)
+    # comb reaches its columns through the block's first partials rows (read above, dead now; 16-byte aligned, and
+    # M_PAD >= n*n). Stored straight to COMB, 4 bytes past a 16-byte boundary in FlashInfer's order, the Sinkhorn
+    # tile took another register layout on sm_90 ([8, 1, 4] threads, not kernel A's [8, 4, 1] with rows in one
+    # thread: triton 3.6's TTGIR), its n-element sums another order, and the backward's replay missed the forward's
+    # bits at n = 4, 8 (H100). Stored where kernel A stores its iterates (aligned rows), the tile is kernel A's.
+    stage = PART + t64[:, None, None] * M_PAD + ij[None, :, :]
+    tl.store(stage, comb, mask=row_ok[:, :, None])
+    tl.debug_barrier()
+    comb = tl.load(stage, mask=row_ok[:, :, None], other=0.0)
     tl.store(s_row[:, None, None] + COMB(N) + ij[None, :, :], comb, mask=row_ok[:, :, None])
 
 
