@@ -39,6 +39,7 @@ _SCRIPT = """
                         print(json.dumps(dict(
                             sm=sm, ops=launches.__name__, n=n, dtype=dtype, kernel=b.kernel, warps=b.num_warps,
                             stages=b.num_stages, shared=b.shared, races=list(b.races),
+                            reduced=[list(r) for r in b.reduce_layouts],
                             constexprs={{k: v for k, v in b.constexprs.items() if isinstance(v, (bool, int, str))}})))
 
     # what a launcher traced by torch.compile measures (fake tensors): the same build
@@ -193,3 +194,25 @@ def test_launchers_resolve_for_the_assumed_gpu_on_tensors_on_none(monkeypatch):
         cfg = PrepareConfig().resolve_for(8192, 1024, torch.device("meta"), True, n=4)
         assert (cfg.block_t, cfg.block_c, cfg.num_stages) == (128, 32, 2)
     assert arch.target_of(torch.device("meta")) == arch.REFERENCE
+
+
+def test_the_sinkhorn_replay_reduces_on_the_forward_gates_layout(builds):
+    """Kernel A of backward_finish replays forward_prepare's Sinkhorn (mhc_math) and is only exact if every n-element
+    sum runs in the forward's order, which follows the [BLOCK_T, n, n] tile's register layout. Same code is not
+    enough: when the stats record took FlashInfer's column order, the gates kernel's unaligned stores moved its tile
+    to another layout and the replay missed the forward's bits on an H100 (n = 4, 8). Every reduction of the tile
+    in the gates kernel, in every build, on a layout kernel A reduces the tile on (kernel A has the backward's
+    own sums besides)."""
+    checked = 0
+    for sm in ARCHS:
+        for n in (2, 4, 8):
+            for dtype in ("bfloat16", "float32"):
+                def tiles(kernel):
+                    rows = [b for b in builds if b.get("sm") == sm and b.get("n") == n and b.get("dtype") == dtype
+                            and b.get("ops") == "mhc_layer_launches" and b.get("kernel") == kernel]
+                    assert rows, (sm, n, dtype, kernel)
+                    return {tuple(r) for b in rows for r in b["reduced"] if r[0].endswith(f"x{n}x{n}")}
+                gates, replay = tiles("_gates_kernel"), tiles("_dlogits_kernel")
+                assert gates and gates <= replay, (sm, n, dtype, gates, replay)
+                checked += 1
+    assert checked == len(ARCHS) * 6

@@ -66,6 +66,7 @@ class Built:
     races: tuple = ()  # pipeline_races of the build
     async_mma: bool = False  # the build has a wgmma that runs on while the warp goes on (what races need)
     tensor_core: tuple = ()  # the build's distinct MMA instructions (PTX opcodes: mma.sync..., wgmma.mma_async...)
+    reduce_layouts: tuple = ()  # reduce_layouts of the build: (operand shape, register layout) of every reduction
 
     def per_sm(self, sm: int) -> int:
         threads = 32 * self.num_warps
@@ -86,6 +87,21 @@ def _code_sha(ptx: str) -> str:
 
 
 _SSA = r"%[\w.#]+"
+
+
+def reduce_layouts(ttgir: str) -> tuple:
+    """The distinct (shape, layout) pairs of the tensors reduced in a TTGIR listing (``tt.reduce`` operands), the
+    layout spelled out (``#ttg.blocked<{...}>``, not its per-module alias). A sum's order follows its operand's
+    register layout: two kernels meant to give the same bits from the same values (the Sinkhorn of forward_prepare's
+    gates kernel and of backward_finish's replay, mhc_math) must reduce on the same layouts."""
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<\{.*\}>)$", ttgir, flags=re.M))
+    found = set()
+    for start in (m.end() for m in re.finditer(r'"tt\.reduce"\(', ttgir)):
+        # the op's type follows its combine region: "}) : (tensor<SHAPExf32, #layout>) -> ..."
+        typed = re.compile(r"\}\) : \(tensor<([0-9x]+)x\w+, (#\w+)>").search(ttgir, start)
+        if typed:
+            found.add((typed.group(1), aliases.get(typed.group(2), typed.group(2))))
+    return tuple(sorted(found))
 
 
 def pipeline_races(ttgir: str, stages: int) -> List[str]:
@@ -266,7 +282,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
         built.append(Built(fn.__name__, named, options.num_warps, options.num_stages, compiled.metadata.shared,
                            regs, spill, tuple(grid) if not callable(grid) else (),
                            _code_sha(compiled.asm["ptx"]), tuple(pipeline_races(ttgir, options.num_stages)),
-                           "isAsync = true" in ttgir, tensor_core_instructions(compiled.asm["ptx"])))
+                           "isAsync = true" in ttgir, tensor_core_instructions(compiled.asm["ptx"]),
+                           reduce_layouts(ttgir)))
     return built
 
 
