@@ -353,17 +353,13 @@ def stream_expand(h: torch.Tensor, n_streams: int = 4, *, recompute: Optional["S
     if recompute is not None and not isinstance(recompute, _recompute.RecomputePlan):
         raise TypeError(f"recompute: expected the cakeops.nn.StreamRecompute of the mHC layers (or None), got "
                         f"{type(recompute).__name__}")
-    if not isinstance(h, torch.Tensor) or h.dim() < 1:
-        got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
-        raise ValueError(f"stream_expand: expected a hidden state [..., C] (at least 1 dim) to copy into the {n} "
-                         f"residual streams, got {got}")
-    return _expand(h, n, recompute is not None)
+    return _expand(h, n, recompute is not None, "stream_expand")
 
 
-def _expand(h: torch.Tensor, n: int, rooted: bool) -> torch.Tensor:
+def _expand(h: torch.Tensor, n: int, rooted: bool, who: str = "StreamExpand") -> torch.Tensor:
     if not isinstance(h, torch.Tensor) or h.dim() < 1:
         got = f"shape {tuple(h.shape)}" if isinstance(h, torch.Tensor) else type(h).__name__
-        raise ValueError(f"StreamExpand: expected a hidden state [..., C] (at least 1 dim) to copy into the "
+        raise ValueError(f"{who}: expected a hidden state [..., C] (at least 1 dim) to copy into the "
                          f"{n} residual streams, got {got}")
     rooting = rooted and torch.is_grad_enabled()
     # compiled / dispatch modes: the op notes its output for the ops' groups (DTensor layers keep their

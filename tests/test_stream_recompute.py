@@ -597,10 +597,24 @@ def test_functional_hook_keeps_less_and_checks_its_argument(monkeypatch):
 
     monkeypatch.setattr(_recompute.RecomputePlan, "enter", spy)
     C = 16
-    params = [(torch.randn(24, 4 * C) * 0.1, torch.ones(3), torch.zeros(24), torch.eye(C)) for _ in range(5)]
-    _functional_stack(torch.randn(6, C, requires_grad=True), params, cnn.StreamRecompute(4), 4).sum().backward()
+    params = [tuple(t.requires_grad_() for t in (torch.randn(24, 4 * C) * 0.3, torch.rand(3) + 0.5,
+                                                 torch.randn(24), torch.eye(C))) for _ in range(5)]
+    h0, dY = torch.randn(6, C), torch.randn(6, C)
+
+    def grads(plan):
+        h = h0.clone().requires_grad_()
+        _functional_stack(h, params, plan, 4).backward(dY)
+        out = [h.grad] + [p.grad for ps in params for p in ps]
+        for ps in params:
+            for p in ps:
+                p.grad = None
+        return out
+
+    got = grads(cnn.StreamRecompute(4))
     # groups of 4 rooted at the expansion's h: no layer keeps its streams but the second group's first
     assert links == [(0, True), (1, True), (2, True), (3, True), (0, False)]
+    for a, b in zip(got, grads(None)):  # and the rebuilt streams give the gradients kept ones give
+        assert torch.equal(a, b)
 
     X = torch.randn(2, 4, 8)
     with pytest.raises(TypeError, match="StreamRecompute"):

@@ -173,19 +173,20 @@ def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
     rebuild (an op, no group to keep a table) finds its host side made. The device table is the caller's alone and
     dies with the rebuild: kept here, it would outlive the call in whatever memory pool was current when it was
     made -- under ``mode="reduce-overhead"`` the CUDA-graph pool, whose warm-up run then finds tensors it does not
-    track ("Detected 3 tensor(s) in the cudagraph pool not tracked as outputs"). A host table is never freed while
-    kept, so a non-blocking copy from it cannot read memory that was reused."""
+    track ("Detected 3 tensor(s) in the cudagraph pool not tracked as outputs"). An evicted host table goes back to
+    torch's pinned-memory cache, which hands a block out again only after the copies that read it completed."""
     rows = ((B.data_ptr() for B in Bs), (B.stride(0) for B in Bs), (s.data_ptr() for s in stats_list))
     rows = tuple(tuple(row) for row in rows)
     is_cuda = torch.device(device).type == "cuda"
-    host = _HOST_TABLES.get(rows)
+    key = (is_cuda, rows)  # only a pinned table is copied non-blocking
+    host = _HOST_TABLES.get(key)
     if host is None:
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda)
-        _HOST_TABLES[rows] = host
+        _HOST_TABLES[key] = host
         if len(_HOST_TABLES) > _HOST_TABLES_KEPT:
             _HOST_TABLES.popitem(last=False)
     else:
-        _HOST_TABLES.move_to_end(rows)
+        _HOST_TABLES.move_to_end(key)
     return host.to(device, non_blocking=True) if is_cuda else host.clone()
 
 
