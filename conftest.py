@@ -73,6 +73,25 @@ def opaque_ops(monkeypatch):
     monkeypatch.setattr(inductor, "_TRACE", "none")
 
 
+@pytest.fixture
+def deterministic_inductor(monkeypatch):
+    """Inductor's deterministic mode, for tests that compare two compiled graphs bit for bit. Without it Inductor
+    picks some of its kernels' configurations (so their reduction orders) by timing them on the device, and its
+    embedding backward adds atomically: two compiles, even of the same model, may then differ in the last bits
+    (seen on an H100, 2026-12-06). ``torch._inductor.config.deterministic`` and torch's deterministic algorithms
+    (warn-only: the ops without a deterministic version still run) remove both."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "deterministic", True)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def test_seed(nodeid: str) -> int:
     """The seed of a test, the same in every process and run (crc32 of its id, unlike ``hash``)."""
     return zlib.crc32(nodeid.encode())

@@ -441,10 +441,11 @@ def test_rebuild_chained_in_place_when_the_kernel_cannot_run(triton_kernels):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
-def test_cuda_graphs_eager_capture_and_reduce_overhead():
+def test_cuda_graphs_eager_capture_and_reduce_overhead(deterministic_inductor):
     """A training step captured in a CUDA graph (eager layers: the rebuild chains finish kernels in place, no
     host-to-device table) and a model compiled with mode="reduce-overhead" (Inductor's CUDA graphs around the
-    ops' groups) give the gradients of the same model without recompute, bit for bit, replay after replay."""
+    ops' groups) give the gradients of the same model without recompute, bit for bit, replay after replay
+    (compiled: in Inductor's deterministic mode, conftest.deterministic_inductor)."""
     torch.manual_seed(0)
     base = TinyLM(vocab=40, dim=64, layers=2, heads=2, max_len=32).cuda()
     tokens = torch.randint(0, 40, (2, 17), device="cuda")
