@@ -1,7 +1,11 @@
 """``python -m cakeops.bench.host --op rmsnorm [--T 16384] [--H 4096] [--no-kernels | --fake-driver]``: the host
-(CPU) cost per call of the public RMSNorm path (``cakeops.cake_rmsnorm``, bf16, x a leaf accumulating its
-gradient), eager and under ``torch.compile(fullgraph=True)``, forward alone (no_grad) and forward + backward,
-next to torch's ``F.rms_norm`` eager and compiled.
+(CPU) cost per call of the public RMSNorm path (``cakeops.cake_rmsnorm``, bf16), eager and under
+``torch.compile(fullgraph=True)``, forward alone (no_grad) and forward + backward, next to torch's ``F.rms_norm``
+eager and compiled and Liger-Kernel's RMSNorm (eager; when ``liger_kernel`` is installed). The backward returns
+its gradients (``torch.autograd.grad``), as in a model, where x is an activation: backed into a leaf's ``.grad``,
+every call would also add dx into it (AccumulateGrad's read-modify-write of T x H, 60 % of the op's own bytes),
+whichever path ran. On a GPU each fwd+bwd row also gives its share of the byte floor (x read twice, y written,
+dy read, dx written, at the copy bandwidth measured in the same run).
 
 Three modes:
 - on a GPU (default there): kernels launched for real. Host time: the device is kept busy (``torch.cuda._sleep``)
@@ -17,6 +21,7 @@ Three modes:
 The torch peers run their real CPU math in the CPU modes (small default shape, so that stays small).
 """
 import contextlib
+import importlib.util
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -113,24 +118,46 @@ def _torch(x, w):
     return F.rms_norm(x, (x.shape[-1],), w, EPS)
 
 
+def _liger(x, w):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    # positional (X, W, eps, offset, casting_mode, in_place): Liger's autograd Function takes no keywords
+    return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+
+def _peers(on_gpu: bool):
+    """(name, function, modes): cakeops and torch eager and compiled; Liger eager, on a GPU, when installed."""
+    peers = [("cakeops", _cake, ("eager", "compiled")), ("torch", _torch, ("eager", "compiled"))]
+    if on_gpu and importlib.util.find_spec("liger_kernel") is not None:
+        peers.append(("liger", _liger, ("eager",)))
+    return peers
+
+
 def paths(T: int, H: int, device: torch.device, fwd_only: bool = False) -> Dict[str, Callable[[], object]]:
-    """name -> one call. fwd: no_grad forward; fwd+bwd: forward, then backward into the leaves' .grad."""
+    """name -> one call. fwd: no_grad forward; fwd+bwd: forward, then the gradients of x and w returned."""
     x, w, dy = _inputs(T, H, device)
     runs: Dict[str, Callable[[], object]] = {}
-    for peer, fn in (("cakeops", _cake), ("torch", _torch)):
-        compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-        for mode, f in (("eager", fn), ("compiled", compiled)):
+    for peer, fn, modes in _peers(device.type == "cuda"):
+        for mode in modes:
+            f = fn if mode == "eager" else torch.compile(fn, dynamic=False, fullgraph=True)
+
             def fwd(f=f):
                 with torch.no_grad():
                     return f(x, w)
 
             def fwd_bwd(f=f):
-                f(x, w).backward(dy)
+                return torch.autograd.grad(f(x, w), (x, w), dy)
 
             runs[f"{peer} {mode} fwd"] = fwd
             if not fwd_only:
                 runs[f"{peer} {mode} fwd+bwd"] = fwd_bwd
     return runs
+
+
+def floor_us(T: int, H: int, ceiling_gbps: float, backward: bool) -> float:
+    """The path's byte floor at ``ceiling_gbps``: the forward reads x and writes y; the backward reads dy and x
+    again and writes dx (bf16; w, dw and the FP32 rstd are under 0.1 % at these shapes and left out)."""
+    return (5 if backward else 2) * T * H * 2 / (ceiling_gbps * 1e3)
 
 
 def host_us_per_call(runs: Dict[str, Callable[[], object]], calls: int, reps: int,
@@ -171,15 +198,24 @@ def main(args) -> int:
         what = ("CPU tensors, triton's launch path against a stand-in driver (no compiled launcher)"
                 if args.fake_driver else "CPU tensors, RMSNorm launchers replaced by no-ops")
     print(f"RMSNorm public path, bf16, eps={EPS} ({what}); host: {args.reps} reps of {args.calls} calls")
+    ceiling = None
+    if on_gpu:
+        from .core import copy_gbps
+
+        ceiling = copy_gbps(device)
+        print(f"copy ceiling {ceiling:.0f} GB/s (2 GiB bf16 device-to-device copy, read + write)")
     with ctx:
         for T, H in shapes:
             runs = paths(T, H, device)
             times = host_us_per_call(runs, args.calls, args.reps, on_gpu)
-            print(f"T={T} H={H}")
+            print(f"T={T} H={H}" + (f"   floor µs: fwd {floor_us(T, H, ceiling, False):.1f}, fwd+bwd "
+                                    f"{floor_us(T, H, ceiling, True):.1f}" if on_gpu else ""))
             for name, values in times.items():
                 line = f"  {name:26s} host µs/call: median {statistics.median(values):8.1f}  min {min(values):8.1f}"
                 if on_gpu:
                     step, kernels = gpu_us_per_call(runs[name])
-                    line += f"   do_bench µs {step:8.1f}   GPU kernel µs/call {kernels:8.1f}"
+                    floor = floor_us(T, H, ceiling, name.endswith("fwd+bwd"))
+                    line += (f"   do_bench µs {step:8.1f} ({100 * floor / step:5.1f} % of floor)"
+                             f"   GPU kernel µs/call {kernels:8.1f}")
                 print(line, flush=True)
     return 0
