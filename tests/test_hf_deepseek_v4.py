@@ -389,8 +389,8 @@ def test_compiled_fullgraph_matches_eager_and_recompute_is_bitwise():
                     reason="torch < 2.12's CPU Inductor fails to build the backward of HF DeepSeek-V4's overlapping-"
                     "window compressor (CSA compressor / indexer: zero/-inf-filled slice writes, softmax over the "
                     "window, weighted sum): C++ error \"'decltype' evaluates to 'float'\" in a vectorized masked "
-                    "load (CppVecOverrides.masked marks its body's scalar result as a vector; pytorch/pytorch#174648, "
-                    "in 2.12). Unpatched HF fails the same way; workaround: torch._inductor.config.cpp.simdlen = 0")
+                    "load (CppVecOverrides.masked marks its body's scalar result as a vector; fixed in torch 2.12). "
+                    "Unpatched HF fails the same way (2026-12-06); workaround: torch._inductor.config.cpp.simdlen = 0")
 def test_inductor_trains_the_patched_model():
     seed = _seed()
     eager = _model()
