@@ -83,6 +83,34 @@ def test_presets_match_the_issue_and_flags_override_them():
         bench_model.main(["--variants", "plain,nosuch"])
 
 
+def test_recompute_group_sweep_gives_a_row_per_size_against_cakeops(tmp_path, capsys):
+    """--recompute-group 1,2: cakeops-recompute once per group size (1 keeps every layer's streams), each row with
+    its step time against cakeops in the same run; the same weights and bits: the same first loss."""
+    torch._dynamo.reset()
+    rc = bench_model.main(["--device", "cpu", "--preset", "tiny", "--blocks", "1", "--steps", "1", "--warmup", "0",
+                           "--no-check", "--variants", "cakeops,cakeops-recompute", "--recompute-group", "2,1",
+                           "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "model.json").read_text())["rows"]}
+    assert list(rows) == ["cakeops", "cakeops-recompute:2", "cakeops-recompute:1"]
+    assert rows["cakeops"]["vs_cakeops_pct"] is None
+    for g in (1, 2):
+        r = rows[f"cakeops-recompute:{g}"]
+        assert r["status"] == "ok" and r["recompute_group"] == g and r["loss"] == rows["cakeops"]["loss"]
+        assert r["vs_cakeops_pct"] == pytest.approx(100 * (r["step_ms"] / rows["cakeops"]["step_ms"] - 1))
+    md = (tmp_path / "model.md").read_text()
+    assert "| config | cakeops mHC | cakeops mHC + recompute (groups of 2) | cakeops mHC + recompute (groups of 1) |" in md
+    assert "| vs cakeops |" in md
+    parser = bench_model._parser()
+    for bad in ("0", "4,x", ""):
+        with pytest.raises(SystemExit):
+            bench_model._recompute_variants(["cakeops-recompute"], bad, parser)
+    with pytest.raises(SystemExit):  # the groups of a variant that does not run
+        bench_model._recompute_variants(["plain", "cakeops"], "4", parser)
+    assert "group sizes >= 1" in capsys.readouterr().err
+
+
 def test_te_layout_puts_the_streams_last():
     n, C = 4, 3
     fn = torch.arange(2 * n * C, dtype=torch.float32).reshape(2, n * C)  # column i*C + c: stream i, channel c

@@ -6,7 +6,9 @@ embedding, N blocks of (RMSNorm -> causal SDPA attention -> residual; RMSNorm ->
 RMSNorm, LM head, cross entropy on random tokens; no RoPE. Variants: ``plain`` (plain residual), ``cakeops``
 (``StreamExpand`` -> ``nn.MHC`` per attention and MLP branch -> ``MHCHead``), ``math`` (the same mHC layer in
 plain torch ops, the SPEC math with its Sinkhorn, fused by torch.compile), ``te`` (TransformerEngine's Triton
-mHC, when installed). Every variant uses the same norm module in its branches (``--norm``) and the whole model,
+mHC, when installed), ``cakeops-recompute`` (``cakeops`` under ``recompute_mhc``; ``--recompute-group 4,6,8``
+gives a row per group size, each with its step time against ``cakeops``: recompute's memory against its time).
+Every variant uses the same norm module in its branches (``--norm``) and the whole model,
 loss included, runs under ``torch.compile(fullgraph=True)`` (a variant that cannot trace whole is retried with
 graph breaks allowed, and the report says so).
 
@@ -48,6 +50,7 @@ VARIANT_TITLES = {"plain": "plain residual", "cakeops": "cakeops mHC", "cakeops-
                   "te": "TE Triton mHC",
                   "math": "mHC as torch.compile'd math"}
 PRESET_GROUPS = {"issue": ["c2048", "c4096"], "memory": ["c2048", "c4096", "deep"]}
+RECOMPUTE = "cakeops-recompute"  # with --recompute-group G: one row per G, named "cakeops-recompute:G"
 SIZE_FLAGS = ("dim", "blocks", "ffn", "heads", "batch", "seq", "vocab", "streams", "sinkhorn_iters")
 # The agreement check (FP32, tiny config): cakeops vs math. On CPU both run the reference math; on a GPU the
 # cakeops side runs the Triton kernels (TF32x3 projections in FP32).
@@ -78,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="activations and weights; mHC mappings stay FP32 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated residual schemes to time (default: {','.join(VARIANTS)})")
-    p.add_argument("--recompute-group", type=int, default=None,
-                   help="cakeops-recompute's group size (default: recompute_mhc's own)")
+    p.add_argument("--recompute-group", default=None,
+                   help="cakeops-recompute's group size, or several comma-separated (a row each, e.g. 4,6,8: "
+                        "memory against step time; default: recompute_mhc's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the whole model and loss, fullgraph=True (default); --no-compile: eager")
     p.add_argument("--backend", default=None,
@@ -154,10 +158,48 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"
 
 
+def _base(variant: str) -> str:
+    """The residual scheme of a row: "cakeops-recompute:6" is cakeops-recompute in groups of 6."""
+    return variant.split(":")[0]
+
+
+def _group(variant: str) -> Optional[int]:
+    return int(variant.split(":")[1]) if ":" in variant else None
+
+
+def _title(variant: str) -> str:
+    group = _group(variant)
+    return VARIANT_TITLES[_base(variant)] + ("" if group is None else f" (groups of {group})")
+
+
+def _color(variant: str, variants: Sequence[str]) -> str:
+    """Each scheme its color; the group sizes of a sweep the colors after all the schemes'."""
+    sweep = [v for v in variants if _group(v) is not None]
+    return f"C{len(VARIANTS) + sweep.index(variant) if variant in sweep else VARIANTS.index(_base(variant))}"
+
+
+def _recompute_variants(variants: List[str], groups: Optional[str], parser: argparse.ArgumentParser) -> List[str]:
+    """cakeops-recompute replaced by a row per group size of ``--recompute-group``."""
+    if groups is None:
+        return variants
+    try:
+        sizes = list(dict.fromkeys(int(g) for g in groups.split(",") if g.strip()))
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        parser.error(f"--recompute-group: expected group sizes >= 1, comma-separated (e.g. 4 or 4,6,8), got {groups!r}")
+    if RECOMPUTE not in variants:
+        parser.error(f"--recompute-group: sets the group sizes of the {RECOMPUTE} variant, which --variants leaves out")
+    at = variants.index(RECOMPUTE)
+    return variants[:at] + [f"{RECOMPUTE}:{g}" for g in sizes] + variants[at + 1:]
+
+
 def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: torch.device,
                 dtype: torch.dtype) -> Dict[str, Any]:
     """One variant at one config: build, compile (first step), warm up, time; then free everything."""
-    row: Dict[str, Any] = {"variant": variant, "title": VARIANT_TITLES[variant], "status": "ok"}
+    row: Dict[str, Any] = {"variant": variant, "title": _title(variant), "status": "ok"}
+    if _group(variant) is not None:
+        row["recompute_group"] = _group(variant)
     if variant == "te":
         usable, why = te_status()
         row["te"] = why
@@ -167,7 +209,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
     model = opt = fn = None
     try:
         say(f"  {variant}: building the model")
-        model = build(cfg, variant, device, dtype, opts.norm, opts.seed, recompute_group=opts.recompute_group)
+        model = build(cfg, _base(variant), device, dtype, opts.norm, opts.seed, recompute_group=_group(variant))
         row["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
         tokens, targets = _tokens(cfg, device, opts.seed)
@@ -271,7 +313,12 @@ def _activation_peak(step, device) -> float:
 
 def _overheads(rows: List[Dict[str, Any]]) -> None:
     plain = next((r for r in rows if r["variant"] == "plain" and r["status"] == "ok"), None)
+    cakeops = next((r for r in rows if r["variant"] == "cakeops" and r["status"] == "ok"), None)
     for r in rows:
+        # recompute's own cost: its step against the same model without it, in the same run
+        r["vs_cakeops_pct"] = (100.0 * (r["step_ms"] - cakeops["step_ms"]) / cakeops["step_ms"]
+                               if cakeops is not None and r["status"] == "ok" and _base(r["variant"]) == RECOMPUTE
+                               else None)
         ok = plain is not None and r["status"] == "ok"
         r["overhead_pct"] = 100.0 * (r["step_ms"] - plain["step_ms"]) / plain["step_ms"] if ok else None
         r["peak_overhead_pct"] = (100.0 * (r["peak_gib"] - plain["peak_gib"]) / plain["peak_gib"]
@@ -359,7 +406,7 @@ def _pct(v: Optional[float]) -> str:
 
 def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) -> report.Table:
     """The issue's layout: one row per config, one column per variant, ``ms (+overhead %)``."""
-    columns = ["config"] + [VARIANT_TITLES[v] for v in variants]
+    columns = ["config"] + [_title(v) for v in variants]
     cells = []
     for res in results:
         by = {r["variant"]: r for r in res["rows"]}
@@ -377,7 +424,7 @@ def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) ->
 
 
 def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
-    columns = ["config", "variant", "step ms", "vs plain", "host ms", "tokens/s",
+    columns = ["config", "variant", "step ms", "vs plain", "vs cakeops", "host ms", "tokens/s",
                "peak GiB" if cuda else "peak GiB (CUDA)", "peak vs plain", "above weights GiB", "above vs plain",
                "activations GiB", "act. vs plain",
                "compile s", "first loss", "params", "notes"]
@@ -388,7 +435,7 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
             if r.get("fullgraph") is False:
                 notes.append(f"graph breaks ({r.get('graph_break', '')[:80]})")
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
-                          _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
+                          _pct(r.get("vs_cakeops_pct")), _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
                           _fmt(r.get("peak_gib"), ".2f"), _pct(r.get("peak_overhead_pct")),
                           _fmt(r.get("peak_above_weights_gib"), ".2f"),
                           _fmt(r.get("peak_above_weights_vs_plain"), ".2f", "×"),
@@ -432,13 +479,13 @@ def step_time_plot(path: Path, results: Sequence[Dict[str, Any]], variants: Sequ
             x = g + (i - (len(variants) - 1) / 2) * width
             if r["status"] != "ok":  # say why the bar is missing, where it would stand
                 ax.text(x, 0.02 * top, r["status"].split(" (")[0][:28], rotation=90, ha="center", va="bottom", fontsize=6,
-                        color=f"C{VARIANTS.index(v)}")
+                        color=_color(v, variants))
                 continue
             xs.append(x)
             heights.append(r["step_ms"])
             labels.append(f"{r['step_ms']:.1f}" if r["overhead_pct"] is None or v == "plain"
                           else f"{r['overhead_pct']:+.0f}%")
-        bars = ax.bar(xs, heights, width, label=VARIANT_TITLES[v], color=f"C{VARIANTS.index(v)}")
+        bars = ax.bar(xs, heights, width, label=_title(v), color=_color(v, variants))
         ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
     ax.set_xticks(range(len(results)))
     ax.set_xlim(-0.5, len(results) - 0.5)
@@ -474,7 +521,7 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
               f"attention without RoPE, SwiGLU MLP, LM head, cross entropy on random tokens), {dtype_name}, mHC mappings FP32, "
               f"{how}. One step = {step}; median of {opts.steps} steps after the compiling step and {opts.warmup} "
               "warm-up steps; peak = torch.cuda.max_memory_allocated over the timed steps. Overhead = "
-              "(variant - plain) / plain. Host ms: until the host has queued a step's work (close to the step "
+              "(variant - plain) / plain; vs cakeops: a recompute row's step against cakeops mHC without it. Host ms: until the host has queued a step's work (close to the step "
               "time: the step waits on the CPU). First loss: the compiling step's; cakeops and math start from the "
               "same weights, so theirs agree to rounding.", ""]
     if not cuda:
@@ -553,7 +600,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(VARIANTS)}")
-    variants = list(dict.fromkeys(variants))
+    variants = _recompute_variants(list(dict.fromkeys(variants)), opts.recompute_group, parser)
     if opts.steps < 1 or opts.warmup < 0:
         parser.error("--steps: expected >= 1; --warmup: expected >= 0")
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -587,7 +634,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"== {name}: {cfg.label}, {cfg.heads} heads, vocab {cfg.vocab}, {cfg.streams} streams ==", flush=True)
         rows = []
         for i, v in enumerate(variants, 1):
-            say(f"[{i}/{len(variants)}] {VARIANT_TITLES[v]}")
+            say(f"[{i}/{len(variants)}] {_title(v)}")
             row = run_variant(cfg, v, opts, device, dtype)
             rows.append(row)
             if row["status"] == "ok":
