@@ -493,7 +493,8 @@ def step_time_plot(path: Path, results: Sequence[Dict[str, Any]], variants: Sequ
     ax.set_ylabel("step time (ms, median)")
     ax.set_ylim(0, 1.25 * top)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    # a sweep's long titles ("... (groups of 6)") one per line, inside the axes
+    ax.legend(fontsize=8, loc="upper left", ncol=1 if max(len(_title(v)) for v in variants) > 28 else 2)
     return plot._save(fig, path)
 
 
