@@ -234,9 +234,11 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     ``torch.utils.checkpoint`` (or other saved-tensor hooks) keep their streams through the checkpoint, which
     already keeps only its region's input. Groups may span FSDP2 units and DDP buckets: the rebuild reads no
     parameter. Under ``torch.compile`` (and dispatch modes) the same groups form along the traced graph's data
-    flow and the compiled backward rebuilds the streams (``cakeops::mhc_rebuild``); with DTensor streams the
-    layers keep their streams, with the same gradients. Eager, a second backward through one graph
-    (``retain_graph=True``) raises; turn recompute off for that (compiled, it works).
+    flow and the compiled backward rebuilds the streams (``cakeops::mhc_rebuild``; the gradients of the model
+    compiled without recompute, bit for bit in Inductor's deterministic mode, ``torch._inductor.config.deterministic
+    = True``: outside it Inductor picks some kernel configurations by timing, and any two compiles may differ in the
+    last bits); with DTensor streams the layers keep their streams, with the same gradients. Eager, a second
+    backward through one graph (``retain_graph=True``) raises; turn recompute off for that (compiled, it works).
 
     >>> blocks = torch.nn.Sequential(*(MHC(torch.nn.Linear(32, 32), 32) for _ in range(12)))
     >>> recompute_mhc(blocks)[0].recompute_group
