@@ -84,7 +84,8 @@ def deterministic_inductor(monkeypatch):
 
     monkeypatch.setattr(inductor_config, "deterministic", True)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield

@@ -100,7 +100,8 @@ def test_recompute_group_sweep_gives_a_row_per_size_against_cakeops(tmp_path, ca
         assert r["status"] == "ok" and r["recompute_group"] == g and r["loss"] == rows["cakeops"]["loss"]
         assert r["vs_cakeops_pct"] == pytest.approx(100 * (r["step_ms"] / rows["cakeops"]["step_ms"] - 1))
     md = (tmp_path / "model.md").read_text()
-    assert "| config | cakeops mHC | cakeops mHC + recompute (groups of 2) | cakeops mHC + recompute (groups of 1) |" in md
+    assert ("| config | cakeops mHC | cakeops mHC + recompute (groups of 2) | cakeops mHC + recompute (groups of 1) |"
+            in md)
     assert "| vs cakeops |" in md
     parser = bench_model._parser()
     for bad in ("0", "4,x", ""):

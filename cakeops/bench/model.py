@@ -187,7 +187,8 @@ def _recompute_variants(variants: List[str], groups: Optional[str], parser: argp
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        parser.error(f"--recompute-group: expected group sizes >= 1, comma-separated (e.g. 4 or 4,6,8), got {groups!r}")
+        parser.error(f"--recompute-group: expected group sizes >= 1, comma-separated (e.g. 4 or 4,6,8), "
+                     f"got {groups!r}")
     if RECOMPUTE not in variants:
         parser.error(f"--recompute-group: sets the group sizes of the {RECOMPUTE} variant, which --variants leaves out")
     at = variants.index(RECOMPUTE)
@@ -198,8 +199,9 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
                 dtype: torch.dtype) -> Dict[str, Any]:
     """One variant at one config: build, compile (first step), warm up, time; then free everything."""
     row: Dict[str, Any] = {"variant": variant, "title": _title(variant), "status": "ok"}
-    if _group(variant) is not None:
-        row["recompute_group"] = _group(variant)
+    group = _group(variant)
+    if group is not None:
+        row["recompute_group"] = group
     if variant == "te":
         usable, why = te_status()
         row["te"] = why
@@ -209,7 +211,7 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
     model = opt = fn = None
     try:
         say(f"  {variant}: building the model")
-        model = build(cfg, _base(variant), device, dtype, opts.norm, opts.seed, recompute_group=_group(variant))
+        model = build(cfg, _base(variant), device, dtype, opts.norm, opts.seed, recompute_group=group)
         row["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
         tokens, targets = _tokens(cfg, device, opts.seed)
@@ -435,7 +437,8 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
             if r.get("fullgraph") is False:
                 notes.append(f"graph breaks ({r.get('graph_break', '')[:80]})")
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
-                          _pct(r.get("vs_cakeops_pct")), _fmt(r.get("host_ms"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"),
+                          _pct(r.get("vs_cakeops_pct")), _fmt(r.get("host_ms"), ".2f"),
+                          _fmt(r.get("tokens_per_s"), ".0f"),
                           _fmt(r.get("peak_gib"), ".2f"), _pct(r.get("peak_overhead_pct")),
                           _fmt(r.get("peak_above_weights_gib"), ".2f"),
                           _fmt(r.get("peak_above_weights_vs_plain"), ".2f", "×"),
@@ -522,8 +525,9 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
               f"attention without RoPE, SwiGLU MLP, LM head, cross entropy on random tokens), {dtype_name}, mHC mappings FP32, "
               f"{how}. One step = {step}; median of {opts.steps} steps after the compiling step and {opts.warmup} "
               "warm-up steps; peak = torch.cuda.max_memory_allocated over the timed steps. Overhead = "
-              "(variant - plain) / plain; vs cakeops: a recompute row's step against cakeops mHC without it. Host ms: until the host has queued a step's work (close to the step "
-              "time: the step waits on the CPU). First loss: the compiling step's; cakeops and math start from the "
+              "(variant - plain) / plain; vs cakeops: a recompute row's step against cakeops mHC without it. "
+              "Host ms: until the host has queued a step's work (close to the step time: the step waits on the "
+              "CPU). First loss: the compiling step's; cakeops and math start from the "
               "same weights, so theirs agree to rounding.", ""]
     if not cuda:
         header += ["**CPU run: a check that every variant runs; CPU timings are not performance numbers.**", ""]
