@@ -10,12 +10,15 @@ layers that is not the identity (a pipeline stage's receive, a user's op on the 
 can never give a wrong rebuild. A layer inside a saved-tensor hook region (torch.utils.checkpoint, save_on_cpu)
 keeps its X through those hooks and closes the group: the checkpoint already keeps only its region's input.
 
-Each layer's streams are rebuilt from X0 when its backward first needs them (its finish node), in one pass of
-the rebuild kernel through the group's earlier layers (X0 and their B's read once, the streams written once), and
-dropped with its B and record after its prepare node's backward. So a group holds one layer's rebuilt streams at a
-time, not all of them (DeepSeek's Eq. 20 assumes the latter), and a larger group costs only more reads of B
-(C elements per earlier layer). A second backward through the same graph (``retain_graph=True``) finds them gone
-and raises, naming the way out.
+A group's streams are rebuilt from X0 when its backward first needs them (its last layer's finish node), in one
+pass of the rebuild kernel through the group's layers (X0 and their B's read once), and each layer's streams are
+dropped with its B and record after its prepare node's backward. A group that another group followed in the forward
+rebuilds every layer's streams in that one pass (each written once: design.md §6): its backward runs after the later
+groups' and the loss's activations are gone, so its layers' streams fit beside what it keeps. The last group's
+backward starts at the step's peak, so there each layer's streams are rebuilt on their own when its backward needs
+them, one layer's at a time (DeepSeek's Eq. 20 assumes all), a larger group costing longer passes (C elements per
+earlier layer). A second backward through the same graph (``retain_graph=True``) finds them gone and raises, naming
+the way out.
 """
 import math
 import weakref
@@ -94,21 +97,40 @@ class _Signature:
                 and self.version == t._version)
 
 
+LAST_GROUP_AT_ONCE = False
+"""Whether the last group of a forward, too, rebuilds all its layers' streams in one pass (faster, but its streams
+then sit at the backward's start, the step's peak): off by default; ``bench model`` measures both."""
+
+
+class Rebuilt:
+    """What a group's layers share for the backward: ``followed`` (another group formed after it in the forward:
+    its backward runs after theirs, so it rebuilds all its layers' streams at once), and ``streams`` {k: layer k's
+    streams}, made by the first of its layers' backward to run and taken by each layer's."""
+
+    def __init__(self):
+        self.followed = False
+        self.streams = {}
+
+    @property
+    def at_once(self) -> bool:
+        return self.followed or LAST_GROUP_AT_ONCE
+
+
 class StreamGroup:
     """One group: its first layer's input X0 [T, n, C] and, per layer so far, (B, stats) -- what forward_finish
-    read -- so that layer k's input is k finishes of X0. ``rebuilt[k]``: layer k's streams while its backward
-    needs them."""
+    read -- so that layer k's input is k finishes of X0. ``rebuilt.streams[k]``: layer k's streams while its
+    backward needs them."""
 
     def __init__(self, X0: Tensor, root: Optional[Tensor] = None):
         self.X0 = X0
         self.root = root  # h where X0 is StreamExpand's copy of it: X0 is then h's stride-0 view, layer 0 rebuilds
         self.root_version = None if root is None else root._version
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
-        self.rebuilt = {}
-        self.table = None  # the rebuild kernel's table of the group's layers, made at the first rebuild
+        self.rebuilt = Rebuilt()
+        self.table = None  # the rebuild kernel's table of the group's layers, made at the first chained rebuild
 
     def streams(self, k: int) -> Tensor:
-        if k not in self.rebuilt:
+        if k not in self.rebuilt.streams:
             if self.root is not None and self.root._version != self.root_version:
                 raise RuntimeError(
                     "cakeops.nn.recompute_mhc: the hidden state given to StreamExpand was modified in place after "
@@ -121,14 +143,17 @@ class StreamGroup:
                     "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             from ._ops import mhc as ops
 
-            if self.table is None or self.table.shape[1] < k:
-                self.table = ops.rebuild_table(self.X0, self.links[:k])
-            self.rebuilt[k] = ops.rebuild_impl(self.X0, self.links[:k], self.table)
-        return self.rebuilt[k]
+            if k >= 2 and self.rebuilt.at_once:  # layers 1..k in one pass (layer 0 keeps X0 or is h's copy)
+                self.rebuilt.streams.update(enumerate(ops.rebuild_impl(self.X0, self.links[:k], every=True), 1))
+            else:
+                if self.table is None or self.table.shape[1] < k:
+                    self.table = ops.rebuild_table(self.X0, self.links[:k])
+                self.rebuilt.streams[k] = ops.rebuild_impl(self.X0, self.links[:k], self.table)
+        return self.rebuilt.streams[k]
 
     def release(self, k: int) -> None:
         """Layer k's backward is done: its rebuilt streams, B and record go; after the first layer's, X0."""
-        self.rebuilt.pop(k, None)
+        self.rebuilt.streams.pop(k, None)
         if k < len(self.links):
             self.links[k] = None  # no later rebuild reads layer k's column of the table: earlier layers' remain
         if k == 0:
@@ -167,6 +192,7 @@ class RecomputePlan:
         self.group_size = group_size
         self._open: Optional[StreamGroup] = None
         self._last: Optional[_Signature] = None
+        self._newest: Optional[Rebuilt] = None  # the last group formed: followed once another forms
 
     def enter(self, X: Tensor, X3: Tensor) -> Optional[StreamLink]:
         """At a layer's eager forward with X as given and X3 its [T, n, C] form: its link (joining the open
@@ -180,6 +206,9 @@ class RecomputePlan:
             return StreamLink(group, len(group.links))
         root = expanded.root(X)
         self._open = StreamGroup(X3) if root is None else StreamGroup(root_streams(root, X3.shape[1]), root)
+        if self._newest is not None:
+            self._newest.followed = True
+        self._newest = self._open.rebuilt
         return StreamLink(self._open, 0)
 
     def leave(self, link: Optional[StreamLink], Y: Tensor) -> None:
@@ -214,12 +243,15 @@ class OpChain:
         self._X0 = None  # the group's first input, or its root h
         self._rooted = False
         self._links: List[Tuple["weakref.ref", "weakref.ref"]] = []
+        self._rebuilt: Optional[Rebuilt] = None  # the open group's
+        self._newest: Optional[Rebuilt] = None  # the last group formed: followed once another forms
 
-    def enter(self, X: Tensor, group_size: int) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]], bool]]:
-        """(X0 or the root h, the earlier layers' (B, stats), rooted) for a layer whose X the backward rebuilds --
-        one that joins the open group, or the first of a rooted group -- else None: the layer starts a group and
-        keeps X. Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and closes the group, as on
-        the eager path."""
+    def enter(self, X: Tensor, group_size: int
+              ) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]], bool, Rebuilt]]:
+        """(X0 or the root h, the earlier layers' (B, stats), rooted, the group's ``Rebuilt``) for a layer whose X
+        the backward rebuilds -- one that joins the open group, or the first of a rooted group -- else None: the
+        layer starts a group and keeps X. Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and
+        closes the group, as on the eager path."""
         last, self._last = self._last, None
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             self.close()
@@ -229,10 +261,13 @@ class OpChain:
             X0 = self._X0()
             links = [(B(), stats()) for B, stats in self._links]
             if X0 is not None and all(B is not None and s is not None for B, s in links):
-                return X0, links, self._rooted
+                return X0, links, self._rooted, self._rebuilt
         root = expanded.root(X)
         self._X0, self._rooted, self._links = weakref.ref(X if root is None else root), root is not None, []
-        return None if root is None else (root, [], True)
+        if self._newest is not None:
+            self._newest.followed = True
+        self._rebuilt = self._newest = Rebuilt()
+        return None if root is None else (root, [], True, self._rebuilt)
 
     def leave(self, Y: Tensor, B: Tensor, stats: Tensor) -> None:
         """The layer's finish returned Y from (B, stats): the next layer of the group must take Y itself."""
@@ -242,7 +277,7 @@ class OpChain:
         self._last = (weakref.ref(Y), Y._version)
 
     def close(self) -> None:
-        self._last, self._X0, self._rooted, self._links = None, None, False, []
+        self._last, self._X0, self._rooted, self._links, self._rebuilt = None, None, False, [], None
 
 
 op_chain = OpChain()

@@ -64,9 +64,9 @@ class _Graphs:
         return {id(a.meta["val"].untyped_storage()): a.meta["val"] for a in out[1:]
                 if isinstance(getattr(a, "meta", {}).get("val"), torch.Tensor)}
 
-    def rebuilds(self, graph):
-        """The number of earlier layers each mhc_rebuild in ``graph`` finishes through."""
-        return sorted(len(n.args[1]) for n in graph.graph.nodes if n.target is torch.ops.cakeops.mhc_rebuild.default)
+    def rebuilds(self, graph, op=torch.ops.cakeops.mhc_rebuild.default):
+        """The number of earlier layers each ``op`` (a rebuild) in ``graph`` finishes through."""
+        return sorted(len(n.args[1]) for n in graph.graph.nodes if n.target is op)
 
 
 def _compiled_grads(model, tokens):
@@ -81,8 +81,11 @@ def test_compiled_model_keeps_only_group_inputs_and_rebuilds_in_the_backward():
     want, without = _compiled_grads(plain, tokens)
     got, graphs = _compiled_grads(rc, tokens)
     _assert_bitwise(want, got)
-    # the first group rooted at StreamExpand's h: its first layer rebuilds too (through no layer)
-    assert graphs.rebuilds(graphs.backward) == [0, 1, 1, 2, 2, 3, 3] and not graphs.rebuilds(graphs.forward)
+    # the first group rooted at StreamExpand's h: its first layer rebuilds too (through no layer); followed by the
+    # second, it rebuilds its layers 1..3 in one pass, while the last group rebuilds one layer at a time
+    every = torch.ops.cakeops.mhc_rebuild_every.default
+    assert graphs.rebuilds(graphs.backward) == [0, 1, 2, 3] and graphs.rebuilds(graphs.backward, every) == [3]
+    assert not graphs.rebuilds(graphs.forward) and not graphs.rebuilds(graphs.forward, every)
     assert not graphs.rebuilds(without.backward)
     streams_bytes, h_bytes = 2 * 12 * 4 * 32 * 4, 2 * 12 * 32 * 4  # one layer's X [tokens, n, C], h: FP32
     saved_without = sum(t.untyped_storage().nbytes() for t in without.saved().values())
@@ -139,7 +142,9 @@ def test_streams_and_dtypes(n, dtype):
         torch.compile(model, fullgraph=True, backend=graphs.backend)(x).backward(g)
         results.append(([x.grad] + [p.grad for p in model.parameters()], graphs))
     _assert_bitwise(results[0][0], results[1][0])
-    assert results[1][1].rebuilds(results[1][1].backward) == [0, 1, 1, 2]  # groups (0, 1, 2) rooted, (3, 4)
+    graphs = results[1][1]  # groups (0, 1, 2) rooted, followed: 1 and 2 rebuilt in one pass; (3, 4)
+    assert graphs.rebuilds(graphs.backward) == [0, 1]
+    assert graphs.rebuilds(graphs.backward, torch.ops.cakeops.mhc_rebuild_every.default) == [2]
 
 
 def test_an_op_between_layers_starts_a_new_group():

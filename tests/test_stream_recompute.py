@@ -62,12 +62,58 @@ def test_gradients_bitwise(backend, n, group_size, monkeypatch):
     dY = torch.randn(2, 3, C, device=DEVICE)
     g_plain, y_plain = _grads(plain, h, dY)
     assert not asked
+    passes = _spy_rebuild_passes(monkeypatch)
     g_rc, y_rc = _grads(rc, h, dY)
     size = rc[1].recompute_group
     # the first group's first layer too: its input is StreamExpand's copy of h, rebuilt from h (k = 0)
     assert sorted(asked) == sorted(2 * [k % size for k in range(layers) if k % size or k == 0])
+    assert sorted(passes) == _expected_passes(layers, size)
     assert torch.equal(y_plain, y_rc)
     _assert_bitwise(g_plain, g_rc)
+
+
+def _spy_rebuild_passes(monkeypatch):
+    """The rebuilds run: (layers finished through, every layer's streams written)."""
+    from cakeops._ops import mhc as ops
+
+    passes, original = [], ops.rebuild_impl
+    monkeypatch.setattr(ops, "rebuild_impl", lambda X0, links, table=None, every=False: passes.append(
+        (len(links), every)) or original(X0, links, table, every))
+    return passes
+
+
+def _expected_passes(layers: int, size: int, last_at_once: bool = False):
+    """Groups of ``size`` from the first layer (rooted at h: its first layer rebuilt from h, through no layer): a
+    group that another follows rebuilds layers 1.. of it in one pass, where there are two or more; the last group
+    one layer at a time."""
+    passes = [(0, False)]
+    for start in range(0, layers, size):
+        followers = min(size, layers - start) - 1
+        if followers >= 2 and (start + size < layers or last_at_once):
+            passes.append((followers, True))
+        else:
+            passes += [(k, False) for k in range(1, followers + 1)]
+    return sorted(passes)
+
+
+@pytest.mark.parametrize("last_at_once", [False, True])
+def test_groups_rebuilt_in_one_pass(backend, last_at_once, monkeypatch):
+    """8 layers in groups of 3, [0 1 2] [3 4 5] [6 7]: the first two rebuild their layers 1 and 2 in one pass
+    each, the last its layer 7 alone; in groups of 4, [0 1 2 3] [4 5 6 7], the last rebuilds layer by layer, or
+    in one pass with LAST_GROUP_AT_ONCE. Gradients bitwise without recompute."""
+    from cakeops import _recompute
+
+    monkeypatch.setattr(_recompute, "LAST_GROUP_AT_ONCE", last_at_once)
+    C, layers = 16, 8
+    plain = _stack(4, C, layers)
+    h, dY = torch.randn(3, C, device=DEVICE), torch.randn(3, C, device=DEVICE)
+    g_plain, _ = _grads(plain, h, dY)
+    for size in (3, 4):
+        rc = cnn.recompute_mhc(copy.deepcopy(plain), size)
+        passes = _spy_rebuild_passes(monkeypatch)
+        g_rc, _ = _grads(rc, h, dY)
+        assert sorted(passes) == _expected_passes(layers, size, last_at_once), size
+        _assert_bitwise(g_plain, g_rc)
 
 
 def test_bf16_gated_head_save_stats_off(backend):
@@ -226,6 +272,12 @@ def test_rebuild_kernel_is_chained_finishes(triton_kernels, n, dtype, C):
         rebuilt = ops.rebuild_impl(X0, links)
         assert rebuilt.dtype == dtype and rebuilt.shape == X0.shape
         assert torch.equal(rebuilt.view(torch.int8), chained.view(torch.int8)), f"K={len(links)}"
+    every = ops.rebuild_impl(X0, links, every=True)  # each layer's streams, in one pass
+    chained = X0
+    for k, (B_, s_) in enumerate(links):
+        chained = ops.finish_impl(chained, B_, s_)
+        assert every[k].dtype == dtype and every[k].is_contiguous()
+        assert torch.equal(every[k].view(torch.int8), chained.view(torch.int8)), f"every, layer {k}"
     if ON_GPU:  # every launch shape the tuner may pick: the tiling must not change a bit
         from cakeops._triton import mhc_forward as kernels
 
@@ -234,6 +286,9 @@ def test_rebuild_kernel_is_chained_finishes(triton_kernels, n, dtype, C):
             Y = torch.empty_like(X0)
             kernels.rebuild(X0, Bs, stats_list, Y, config=config)
             assert torch.equal(Y.view(torch.int8), chained.view(torch.int8)), config
+            Ys = [torch.empty_like(X0) for _ in Bs]
+            kernels.rebuild(X0, Bs, stats_list, Ys, config=config)
+            assert all(torch.equal(Y.view(torch.int8), want.view(torch.int8)) for Y, want in zip(Ys, every)), config
 
 
 def _live_bytes() -> int:

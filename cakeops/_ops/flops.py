@@ -75,6 +75,7 @@ def _rebuild(X0, Bs, *args, **kwargs) -> int:
 
 
 FORMULAS = {"mhc_prepare": _prepare, "mhc_prepare_rc": _prepare, "mhc_finish_rc": _finish, "mhc_rebuild": _rebuild,
+            "mhc_rebuild_every": _rebuild,
             "mhc_stats": _stats, "mhc_finish": _finish, "mhc_head_fwd": _head_fwd,
             "mhc_head_bwd": _head_bwd, "mhc_backward_prepare": _backward_prepare,
             "mhc_backward_finish": _backward_finish, "mhc_gated_head_fwd": _gated_head_fwd,

@@ -141,26 +141,28 @@ def rebuild_table(X0: Tensor, links) -> Optional[Tensor]:
     return kernels.rebuild_table([B for B, _ in links], [stats for _, stats in links], X0.device)
 
 
-def rebuild_impl(X0: Tensor, links, table: Optional[Tensor] = None) -> Tensor:
+def rebuild_impl(X0: Tensor, links, table: Optional[Tensor] = None, every: bool = False):
     """The streams after the forward_finishes of X0 [T, n, C] with ``links`` [(B, stats), ...] in order (stream
-    recompute, _recompute.py): bitwise the forward's. One pass of the Triton rebuild kernel where it can run
-    (``table``: ``rebuild_table`` of these layers or of a longer run starting with them, else made here), else the
-    finishes chained in one buffer (the finish kernel reads a token's streams before it writes them: in place is
-    exact)."""
+    recompute, _recompute.py): bitwise the forward's. ``every``: the list of every layer's streams instead, the
+    l-th after l + 1 finishes (a whole group rebuilt in one pass, each written once). One pass of the Triton
+    rebuild kernel where it can run (``table``: ``rebuild_table`` of these layers or of a longer run starting with
+    them, else made here; never with ``every``, whose table holds the outputs), else the finishes chained (the
+    finish kernel reads a token's streams before it writes them: in place is exact)."""
     X0 = unit_last(X0)
     links = [rebuild_link(B, stats) for B, stats in links]
     if not links:  # a group's first layer rebuilt from its root (StreamExpand's h, X0 its stride-0 view)
-        return X0.clone(memory_format=torch.contiguous_format)
+        return [] if every else X0.clone(memory_format=torch.contiguous_format)
     if _kernel_rebuilds(X0, links):
         from .._triton import mhc_forward as kernels
-        Y = torch.empty(X0.shape, dtype=X0.dtype, device=X0.device)
+        Ys = [torch.empty(X0.shape, dtype=X0.dtype, device=X0.device) for _ in (links if every else links[:1])]
         with _backend.kernel_device(X0):
-            kernels.rebuild(X0, [B for B, _ in links], [stats for _, stats in links], Y, table)
-        return Y
-    Y = None
+            kernels.rebuild(X0, [B for B, _ in links], [stats for _, stats in links], Ys if every else Ys[0],
+                            None if every else table)
+        return Ys if every else Ys[0]
+    Ys = []
     for B, stats in links:
-        Y = finish_impl(X0 if Y is None else Y, B, stats, Y=Y)
-    return Y
+        Ys.append(finish_impl(X0 if not Ys else Ys[-1], B, stats, Y=None if every or not Ys else Ys[-1]))
+    return Ys if every else Ys[-1]
 
 
 def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:

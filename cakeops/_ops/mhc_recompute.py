@@ -9,7 +9,11 @@ autograd differs:
   layers' branch outputs and records -- tensors those layers keep anyway;
 - its backward gets X back (kept, or ``mhc_rebuild`` of X0 through the earlier layers' finishes: the forward's
   bits) and hands it to the prepare node as the gradient of a third edge, ``edge_X`` (no data, like the other
-  two: ops/mhc.py), so the prepare node keeps no X at all and the layer's streams are rebuilt once.
+  two: ops/mhc.py), so the prepare node keeps no X at all and the layer's streams are rebuilt once. In a group
+  that another followed (_recompute.Rebuilt), the first of its backwards to run rebuilds every layer's streams
+  (``mhc_rebuild_every``, one pass) and the group's other layers take theirs from it: Python state shared by the
+  group's nodes, read while the backward is traced (or run), so the graph carries the one op's outputs to each
+  layer's nodes.
 A compiled graph is functional and AOTAutograd saves exactly what the backward formulas read, so the saved
 activations are X0, the B's and the records, and the rebuilt X lives from the layer's finish backward to its
 prepare backward. ``mhc_rebuild`` takes the layer's incoming gradient as ``after``, read by nobody: a node that
@@ -44,6 +48,10 @@ def _mhc_rebuild(X0: Tensor, Bs: List[Tensor], records: List[Tensor], after: Ten
     return rebuild_impl(X0, list(zip(Bs, records)))
 
 
+def _mhc_rebuild_every(X0: Tensor, Bs: List[Tensor], records: List[Tensor], after: Tensor) -> List[Tensor]:
+    return rebuild_impl(X0, list(zip(Bs, records)), every=True)
+
+
 @torch.library.custom_op("cakeops::mhc_prepare_rc", mutates_args=())
 def mhc_prepare_rc(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                    sinkhorn_iters: int, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -69,11 +77,20 @@ def mhc_rebuild(X0: Tensor, Bs: List[Tensor], records: List[Tensor], after: Tens
     return _mhc_rebuild(X0, Bs, records, after)
 
 
+@torch.library.custom_op("cakeops::mhc_rebuild_every", mutates_args=())
+def mhc_rebuild_every(X0: Tensor, Bs: List[Tensor], records: List[Tensor], after: Tensor) -> List[Tensor]:
+    """mhc_rebuild's streams after every layer: the l-th after the first l + 1 finishes (a whole group in one
+    pass)."""
+    checks.mhc_rebuild("cakeops::mhc_rebuild_every", X0, Bs, records)
+    return _mhc_rebuild_every(X0, Bs, records, after)
+
+
 for _op, _fake, _unchecked in ((mhc_prepare_rc, fake.mhc_prepare_rc, _mhc_prepare_rc),
                                (mhc_finish_rc, fake.mhc_finish_rc, _mhc_finish_rc),
-                               (mhc_rebuild, fake.mhc_rebuild, _mhc_rebuild)):
+                               (mhc_rebuild, fake.mhc_rebuild, _mhc_rebuild),
+                               (mhc_rebuild_every, fake.mhc_rebuild_every, _mhc_rebuild_every)):
     inductor.register_fake(_op, _fake, unchecked=_unchecked)
-# The pair's bodies are mhc_prepare's and mhc_finish's, traced as their kernels alike. mhc_rebuild stays an op:
+# The pair's bodies are mhc_prepare's and mhc_finish's, traced as their kernels alike. The rebuilds stay ops:
 # traced as its kernel, the launch would not read ``after`` and could move into the forward.
 inductor.register_visible_kernels(mhc_prepare_rc, _mhc_prepare_rc, gpu_checked=True)
 inductor.register_visible_kernels(mhc_finish_rc, _mhc_finish_rc, gpu_checked=True)
@@ -107,7 +124,7 @@ def _setup_finish(ctx, inputs, output):
     if group is None:
         ctx.save_for_backward(X, B, stats)
     else:
-        X0, links, ctx.rooted = group
+        X0, links, ctx.rooted, ctx.rebuilt = group
         ctx.k = len(links)
         ctx.save_for_backward(X0, B, stats, *(b for b, _ in links), *(s for _, s in links))
     _recompute.op_chain.leave(output, B, stats)
@@ -122,8 +139,14 @@ def _backward_finish_node(ctx, dY):
     dY3 = flat(dY, 3)
     if ctx.rebuilds:  # X is the group's X0 (or its root h): rebuild through the k layers before this one
         X0 = _recompute.root_streams(X, ctx.n) if ctx.rooted else flat(X, 3)
-        Bs, records = saved[3:3 + k], saved[3 + k:]
-        X = torch.ops.cakeops.mhc_rebuild(X0, [flat(b, 2) for b in Bs], list(records), dY3)
+        Bs, records = [flat(b, 2) for b in saved[3:3 + k]], list(saved[3 + k:])
+        X = ctx.rebuilt.streams.pop(k, None)  # made by a later layer's backward of the group
+        if X is None and k >= 2 and ctx.rebuilt.at_once:  # the group's first backward: its layers 1..k at once
+            every = torch.ops.cakeops.mhc_rebuild_every(X0, Bs, records, dY3)
+            ctx.rebuilt.streams.update(enumerate(every[:-1], 1))
+            X = every[-1]
+        elif X is None:
+            X = torch.ops.cakeops.mhc_rebuild(X0, Bs, records, dY3)
     grads = finish_backward(torch.ops.cakeops.mhc_backward_prepare, X, B, stats, dY)
     return grads + (flat(X, 3), None)
 

@@ -62,14 +62,15 @@ def _finish_kernel(
 
 @triton.jit
 def _rebuild_kernel(
-    X0, B0, B_PTRS, B_STRIDES, S_PTRS, Y, C, K, stride_xt, stride_xi, stride_yt, stride_yi, c_blocks,
-    N: tl.constexpr, BLOCK_C: tl.constexpr,
+    X0, B0, B_PTRS, B_STRIDES, S_PTRS, Y, Y_PTRS, C, K, stride_xt, stride_xi, stride_yt, stride_yi, c_blocks,
+    N: tl.constexpr, EVERY: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (token, C block) of K forward_finishes in a row from X0 (stream recompute): layer l's branch output
     and record at the addresses B_PTRS[l] (row stride B_STRIDES[l], B0's dtype) and S_PTRS[l]. Each layer's
     arithmetic is _finish_kernel's, in its order, and its streams are rounded as finish stores them, so the
     result is bitwise the K-th finish's output. A stream row comes out of the register tile by a sum with -0.0
-    elsewhere: x + (-0.0) is x for every x, so the row is exact."""
+    elsewhere: x + (-0.0) is x for every x, so the row is exact. EVERY: every layer's streams are stored, layer
+    l's at Y_PTRS[l] (Y's dtype and strides), not only the last's at Y -- a whole group rebuilt in one pass."""
     t, c = _token_and_columns(c_blocks, BLOCK_C)
     c_ok = c < C
     j = tl.arange(0, N)
@@ -84,8 +85,13 @@ def _rebuild_kernel(
             x_i = tl.sum(tl.where(j[:, None] == i, x, -0.0), axis=0)
             y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j), x_i)
         x = y.to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
-             mask=c_ok[None, :])
+        if EVERY:
+            y_at = tl.load(Y_PTRS + layer).to(tl.pointer_type(Y.dtype.element_ty))
+            tl.store(y_at + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
+                     mask=c_ok[None, :])
+    if not EVERY:
+        tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], x.to(Y.dtype.element_ty),
+                 mask=c_ok[None, :])
 
 
 @triton.jit
@@ -163,9 +169,10 @@ _HOST_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _HOST_TABLES_KEPT = 64
 
 
-def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
+def rebuild_table(Bs, stats_list, device, outputs=None) -> torch.Tensor:
     """The rebuild kernel's table of layers, int64 [3, K] on ``device``: the branch outputs' addresses and row
-    strides, the records' addresses. Copied from pinned host memory, non-blocking: a pageable copy would wait for
+    strides, the records' addresses; with ``outputs`` (one tensor per layer: a whole group rebuilt) [4, K], their
+    addresses last. Copied from pinned host memory, non-blocking: a pageable copy would wait for
     the GPU's queue (measured: +15 % on an eager step); made once per group, its first K' columns serve K' layers.
 
     The pinned host tables are kept by their contents (the last 64): a table is a function of the addresses it
@@ -176,6 +183,8 @@ def rebuild_table(Bs, stats_list, device) -> torch.Tensor:
     track ("Detected 3 tensor(s) in the cudagraph pool not tracked as outputs"). An evicted host table goes back to
     torch's pinned-memory cache, which hands a block out again only after the copies that read it completed."""
     rows = ((B.data_ptr() for B in Bs), (B.stride(0) for B in Bs), (s.data_ptr() for s in stats_list))
+    if outputs is not None:
+        rows += ((Y.data_ptr() for Y in outputs),)
     rows = tuple(tuple(row) for row in rows)
     is_cuda = torch.device(device).type == "cuda"
     key = (is_cuda, rows)  # only a pinned table is copied non-blocking
@@ -208,24 +217,32 @@ class RebuildConfig:
             yield RebuildConfig(elements, warps)
 
 
-def rebuild(X0: torch.Tensor, Bs, stats_list, Y: torch.Tensor, table: Optional[torch.Tensor] = None, *,
+def rebuild(X0: torch.Tensor, Bs, stats_list, Y, table: Optional[torch.Tensor] = None, *,
             config: Optional[RebuildConfig] = None) -> None:
     """Y = the streams after len(Bs) forward_finishes of X0 with the branch outputs ``Bs`` ([T, C], one dtype,
     unit stride along C) and records ``stats_list`` (contiguous), in one pass: bitwise the chained finishes.
-    ``table``: ``rebuild_table`` of these layers (or of a longer run starting with them), else made here. The
-    table is a device tensor: not capturable in a CUDA graph (the caller chains ``finish`` there)."""
+    Y a list of len(Bs) tensors of one dtype and strides: Y[l] = the streams after l + 1 finishes (a whole group,
+    each layer written once). ``table``: ``rebuild_table`` of these layers (or of a longer run starting with
+    them; with the outputs where Y is a list), else made here. The table is a device tensor: not capturable in a
+    CUDA graph (the caller chains ``finish`` there)."""
     T, n, C = X0.shape
     if T == 0 or not Bs:
         return
-    assert X0.stride(2) == 1 and Y.stride(2) == 1 and all(B.stride(1) == 1 for B in Bs)
+    every = not isinstance(Y, torch.Tensor)
+    outputs = list(Y) if every else [Y]
+    assert not every or len(outputs) == len(Bs)
+    assert len({(Yl.dtype, Yl.stride()) for Yl in outputs}) == 1
+    assert X0.stride(2) == 1 and outputs[0].stride(2) == 1 and all(B.stride(1) == 1 for B in Bs)
     assert all(s.is_contiguous() for s in stats_list) and len({B.dtype for B in Bs}) == 1
     if table is None:
-        table = rebuild_table(Bs, stats_list, X0.device)
+        table = rebuild_table(Bs, stats_list, X0.device, outputs if every else None)
     block_c, warps = (config or RebuildConfig()).resolve(C, n)
     c_blocks = cdiv(C, block_c)
+    Y0 = outputs[0]
     fast(_rebuild_kernel)[(T * c_blocks,)](
-        X0, Bs[0], table[0], table[1], table[2], Y, C, len(Bs), X0.stride(0), X0.stride(1), Y.stride(0),
-        Y.stride(1), c_blocks, N=n, BLOCK_C=block_c, num_warps=warps,
+        X0, Bs[0], table[0], table[1], table[2], Y0, table[3] if every else table[0], C, len(Bs),
+        X0.stride(0), X0.stride(1), Y0.stride(0), Y0.stride(1), c_blocks,
+        N=n, EVERY=every, BLOCK_C=block_c, num_warps=warps,
     )
 
 
