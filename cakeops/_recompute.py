@@ -10,15 +10,14 @@ layers that is not the identity (a pipeline stage's receive, a user's op on the 
 can never give a wrong rebuild. A layer inside a saved-tensor hook region (torch.utils.checkpoint, save_on_cpu)
 keeps its X through those hooks and closes the group: the checkpoint already keeps only its region's input.
 
-A group's streams are rebuilt from X0 when its backward first needs them (its last layer's finish node), in one
-pass of the rebuild kernel through the group's layers (X0 and their B's read once), and each layer's streams are
-dropped with its B and record after its prepare node's backward. A group that another group followed in the forward
-rebuilds every layer's streams in that one pass (each written once: design.md §6): its backward runs after the later
-groups' and the loss's activations are gone, so its layers' streams fit beside what it keeps. The last group's
-backward starts at the step's peak, so there each layer's streams are rebuilt on their own when its backward needs
-them, one layer's at a time (DeepSeek's Eq. 20 assumes all), a larger group costing longer passes (C elements per
-earlier layer). A second backward through the same graph (``retain_graph=True``) finds them gone and raises, naming
-the way out.
+A layer's streams are rebuilt from X0 by one pass of the rebuild kernel through the group's earlier layers (X0 and
+their B's read once, the streams written once) and dropped with its B and record after its prepare node's backward.
+Where at least as many layers as the group has followed it in the forward, its last layer's backward (the group's
+first to run) rebuilds every layer's streams in that one pass (``Rebuilt``: each written once, design.md §6): the
+later layers' backward ran first and freed their activations. Nearer the backward's start, the step's peak, each
+layer's streams are rebuilt when its backward needs them, one layer's at a time (DeepSeek's Eq. 20 assumes all), a
+larger group costing longer passes (C elements per earlier layer). A second backward through the same graph
+(``retain_graph=True``) finds them gone and raises, naming the way out.
 """
 import math
 import weakref
@@ -97,23 +96,31 @@ class _Signature:
                 and self.version == t._version)
 
 
-LAST_GROUP_AT_ONCE = False
-"""Whether the last group of a forward, too, rebuilds all its layers' streams in one pass (faster, but its streams
-then sit at the backward's start, the step's peak): off by default; ``bench model`` measures both."""
+class LayerCount:
+    """Layers that entered stream recompute so far (a plan's or the op chain's): a group's position in the forward."""
+
+    def __init__(self):
+        self.value = 0
 
 
 class Rebuilt:
-    """What a group's layers share for the backward: ``followed`` (another group formed after it in the forward:
-    its backward runs after theirs, so it rebuilds all its layers' streams at once), and ``streams`` {k: layer k's
-    streams}, made by the first of its layers' backward to run and taken by each layer's."""
+    """What a group's layers share for the backward: ``streams`` {k: layer k's streams}, made by the first of its
+    layers' backward to run and taken by each layer's; ``at_once``: rebuild all of them in that one pass. A group
+    does so once at least as many layers as its own followed it in the forward: their backward ran first and freed
+    their activations, room for its streams beside what it keeps. Nearer the end (the backward's start, the step's
+    peak) one layer's streams are rebuilt at a time, as each layer's backward needs them."""
 
-    def __init__(self):
-        self.followed = False
+    def __init__(self, count: LayerCount):
+        # made when its first layer entered, which the count holds already
+        self._count, self.start, self.size = count, count.value - 1, 0
         self.streams = {}
+
+    def joined(self) -> None:
+        self.size += 1
 
     @property
     def at_once(self) -> bool:
-        return self.followed or LAST_GROUP_AT_ONCE
+        return self._count.value - self.start - self.size >= self.size
 
 
 class StreamGroup:
@@ -121,12 +128,12 @@ class StreamGroup:
     read -- so that layer k's input is k finishes of X0. ``rebuilt.streams[k]``: layer k's streams while its
     backward needs them."""
 
-    def __init__(self, X0: Tensor, root: Optional[Tensor] = None):
+    def __init__(self, X0: Tensor, count: LayerCount, root: Optional[Tensor] = None):
         self.X0 = X0
         self.root = root  # h where X0 is StreamExpand's copy of it: X0 is then h's stride-0 view, layer 0 rebuilds
         self.root_version = None if root is None else root._version
         self.links: List[Optional[Tuple[Tensor, Tensor]]] = []
-        self.rebuilt = Rebuilt()
+        self.rebuilt = Rebuilt(count)
         self.table = None  # the rebuild kernel's table of the group's layers, made at the first chained rebuild
 
     def streams(self, k: int) -> Tensor:
@@ -192,7 +199,7 @@ class RecomputePlan:
         self.group_size = group_size
         self._open: Optional[StreamGroup] = None
         self._last: Optional[_Signature] = None
-        self._newest: Optional[Rebuilt] = None  # the last group formed: followed once another forms
+        self._count = LayerCount()
 
     def enter(self, X: Tensor, X3: Tensor) -> Optional[StreamLink]:
         """At a layer's eager forward with X as given and X3 its [T, n, C] form: its link (joining the open
@@ -201,15 +208,14 @@ class RecomputePlan:
         if not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             self.close()
             return None
+        self._count.value += 1
         group = self._open
-        if group is not None and len(group.links) < self.group_size and self._last.matches(X):
-            return StreamLink(group, len(group.links))
-        root = expanded.root(X)
-        self._open = StreamGroup(X3) if root is None else StreamGroup(root_streams(root, X3.shape[1]), root)
-        if self._newest is not None:
-            self._newest.followed = True
-        self._newest = self._open.rebuilt
-        return StreamLink(self._open, 0)
+        if group is None or len(group.links) >= self.group_size or not self._last.matches(X):
+            root = expanded.root(X)
+            X0 = X3 if root is None else root_streams(root, X3.shape[1])
+            group = self._open = StreamGroup(X0, self._count, root)
+        group.rebuilt.joined()
+        return StreamLink(group, len(group.links))
 
     def leave(self, link: Optional[StreamLink], Y: Tensor) -> None:
         """After the layer's forward: Y [..., n, C] is what the next layer of the group must take (a layer
@@ -244,7 +250,7 @@ class OpChain:
         self._rooted = False
         self._links: List[Tuple["weakref.ref", "weakref.ref"]] = []
         self._rebuilt: Optional[Rebuilt] = None  # the open group's
-        self._newest: Optional[Rebuilt] = None  # the last group formed: followed once another forms
+        self._count = LayerCount()
 
     def enter(self, X: Tensor, group_size: int
               ) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Tensor]], bool, Rebuilt]]:
@@ -253,6 +259,7 @@ class OpChain:
         layer starts a group and keeps X. Inside saved-tensor hooks (checkpointing, save_on_cpu) a layer keeps X and
         closes the group, as on the eager path."""
         last, self._last = self._last, None
+        self._count.value += 1
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             self.close()
             return None
@@ -261,12 +268,12 @@ class OpChain:
             X0 = self._X0()
             links = [(B(), stats()) for B, stats in self._links]
             if X0 is not None and all(B is not None and s is not None for B, s in links):
+                self._rebuilt.joined()
                 return X0, links, self._rooted, self._rebuilt
         root = expanded.root(X)
         self._X0, self._rooted, self._links = weakref.ref(X if root is None else root), root is not None, []
-        if self._newest is not None:
-            self._newest.followed = True
-        self._rebuilt = self._newest = Rebuilt()
+        self._rebuilt = Rebuilt(self._count)
+        self._rebuilt.joined()
         return None if root is None else (root, [], True, self._rebuilt)
 
     def leave(self, Y: Tensor, B: Tensor, stats: Tensor) -> None:

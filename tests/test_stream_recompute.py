@@ -82,37 +82,34 @@ def _spy_rebuild_passes(monkeypatch):
     return passes
 
 
-def _expected_passes(layers: int, size: int, last_at_once: bool = False):
+def _expected_passes(layers: int, size: int):
     """Groups of ``size`` from the first layer (rooted at h: its first layer rebuilt from h, through no layer): a
-    group that another follows rebuilds layers 1.. of it in one pass, where there are two or more; the last group
-    one layer at a time."""
+    group followed by at least as many layers as its own rebuilds its layers 1.. in one pass, where there are two
+    or more; a group nearer the end one layer at a time."""
     passes = [(0, False)]
     for start in range(0, layers, size):
-        followers = min(size, layers - start) - 1
-        if followers >= 2 and (start + size < layers or last_at_once):
-            passes.append((followers, True))
+        own = min(size, layers - start)
+        if own >= 3 and layers - start - own >= own:
+            passes.append((own - 1, True))
         else:
-            passes += [(k, False) for k in range(1, followers + 1)]
+            passes += [(k, False) for k in range(1, own)]
     return sorted(passes)
 
 
-@pytest.mark.parametrize("last_at_once", [False, True])
-def test_groups_rebuilt_in_one_pass(backend, last_at_once, monkeypatch):
-    """8 layers in groups of 3, [0 1 2] [3 4 5] [6 7]: the first two rebuild their layers 1 and 2 in one pass
-    each, the last its layer 7 alone; in groups of 4, [0 1 2 3] [4 5 6 7], the last rebuilds layer by layer, or
-    in one pass with LAST_GROUP_AT_ONCE. Gradients bitwise without recompute."""
-    from cakeops import _recompute
-
-    monkeypatch.setattr(_recompute, "LAST_GROUP_AT_ONCE", last_at_once)
-    C, layers = 16, 8
+def test_groups_rebuilt_in_one_pass(backend, monkeypatch):
+    """Groups of 3 over 10 layers, [0 1 2] [3 4 5] [6 7 8] [9]: the first two rebuild their layers 1 and 2 in one
+    pass each, [6 7 8] (followed by one layer) layer by layer; groups of 4, [0 1 2 3] [4 5 6 7] [8 9]: the first at
+    once, the second layer by layer. Gradients bitwise without recompute."""
+    C, layers = 16, 10
     plain = _stack(4, C, layers)
     h, dY = torch.randn(3, C, device=DEVICE), torch.randn(3, C, device=DEVICE)
     g_plain, _ = _grads(plain, h, dY)
-    for size in (3, 4):
+    for size, at_once in ((3, [2, 2]), (4, [3])):
         rc = cnn.recompute_mhc(copy.deepcopy(plain), size)
         passes = _spy_rebuild_passes(monkeypatch)
         g_rc, _ = _grads(rc, h, dY)
-        assert sorted(passes) == _expected_passes(layers, size, last_at_once), size
+        assert sorted(passes) == _expected_passes(layers, size), size
+        assert [k for k, every in passes if every] == at_once
         _assert_bitwise(g_plain, g_rc)
 
 

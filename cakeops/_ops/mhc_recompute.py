@@ -9,11 +9,11 @@ autograd differs:
   layers' branch outputs and records -- tensors those layers keep anyway;
 - its backward gets X back (kept, or ``mhc_rebuild`` of X0 through the earlier layers' finishes: the forward's
   bits) and hands it to the prepare node as the gradient of a third edge, ``edge_X`` (no data, like the other
-  two: ops/mhc.py), so the prepare node keeps no X at all and the layer's streams are rebuilt once. In a group
-  that another followed (_recompute.Rebuilt), the first of its backwards to run rebuilds every layer's streams
-  (``mhc_rebuild_every``, one pass) and the group's other layers take theirs from it: Python state shared by the
-  group's nodes, read while the backward is traced (or run), so the graph carries the one op's outputs to each
-  layer's nodes.
+  two: ops/mhc.py), so the prepare node keeps no X at all and the layer's streams are rebuilt once. Where as many
+  layers as the group's followed it (_recompute.Rebuilt), the first of its backwards to run rebuilds every layer's
+  streams (``mhc_rebuild_every``, one pass) and the group's other layers take theirs from it: Python state shared
+  by the group's nodes, read while the backward is traced (or run), so the graph carries the one op's outputs to
+  each layer's nodes.
 A compiled graph is functional and AOTAutograd saves exactly what the backward formulas read, so the saved
 activations are X0, the B's and the records, and the rebuilt X lives from the layer's finish backward to its
 prepare backward. ``mhc_rebuild`` takes the layer's incoming gradient as ``after``, read by nobody: a node that
