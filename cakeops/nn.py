@@ -217,6 +217,12 @@ class MHC(_Mapping):
                                                                          keep_fp32_mapping=False, recompute_group=1))
 
 
+def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
+    """``recompute_mhc``'s group size where none is given: n + 2 layers (6 at n = 4), at most ``n_layers`` where
+    known (design.md §6)."""
+    return _recompute.default_group_size(n_streams, n_layers)
+
+
 def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Module:
     """Stream recompute (DeepSeek's mHC paper, §4.3.2): the ``MHC`` layers inside ``module`` (itself included)
     keep their residual streams for the backward only once per group of ``group_size`` consecutive layers, in
@@ -225,9 +231,10 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     output and its per-token record; a group that starts at the output of a ``StreamExpand`` inside ``module``
     keeps StreamExpand's input h (the n streams are n copies of it) instead. Returns ``module``.
 
-    ``group_size``: an int >= 1; None takes n layers (4 at n = 4; at most the L layers found: DeepSeek's Eq. 20
-    balances a group rebuilt all at once, cakeops rebuilds one layer at a time, see design.md §6); 1 turns recompute
-    off again (every layer keeps its own streams). Shown in each layer's repr.
+    ``group_size``: an int >= 1; None takes n + 2 layers (6 at n = 4; at most the L layers found; design.md §6 has
+    the trade-off); 1 turns recompute off again (every layer keeps its own streams). Shown in each layer's repr.
+    A group followed in the forward by at least as many layers as its own rebuilds all its layers' streams in one
+    pass when its backward starts; the last groups, whose backward runs at the step's peak, one layer at a time.
 
     Groups form at run time: a layer joins its predecessor's group only when its input is that layer's output,
     unchanged, so a group never spans a pipeline-stage boundary or any op between layers. Layers inside
@@ -242,12 +249,12 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
 
     >>> blocks = torch.nn.Sequential(*(MHC(torch.nn.Linear(32, 32), 32) for _ in range(12)))
     >>> recompute_mhc(blocks)[0].recompute_group
-    4
+    6
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected an nn.Module holding cakeops.nn.MHC layers, got {type(module).__name__}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
-        raise TypeError(f"group_size: expected an int >= 1 or None (the default, n layers), got "
+        raise TypeError(f"group_size: expected an int >= 1 or None (the default, n + 2 layers), got "
                         f"{type(group_size).__name__}")
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size: expected an int >= 1 (1 turns recompute off) or None, got {group_size}")
@@ -256,7 +263,7 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
         raise ValueError(f"module: {type(module).__name__} holds no cakeops.nn.MHC layer; recompute_mhc rebuilds "
                          f"the residual streams of MHC layers (pass the model that contains them)")
     if group_size is None:
-        group_size = _recompute.default_group_size(layers[0].n_streams, len(layers))
+        group_size = default_group_size(layers[0].n_streams, len(layers))
     plan = None if group_size == 1 else StreamRecompute(group_size)
     for layer in layers:
         layer._recompute = plan
@@ -275,7 +282,7 @@ class StreamRecompute(_recompute.RecomputePlan):
     compiled alike (the custom ops form the same groups along the traced graph).
 
     ``group_size``: an int >= 2 (1 would keep every layer's streams: pass no object instead); ``recompute_mhc``
-    takes n layers by default (4 at n = 4), a good choice here too.
+    takes n + 2 layers by default (6 at n = 4), a good choice here too.
 
     >>> plan = StreamRecompute(4)
     >>> X = stream_expand(torch.randn(3, 32, requires_grad=True), 4, recompute=plan)

@@ -53,7 +53,7 @@ def test_sixteen_block_model_compiles_and_matches_eager_with_and_without_stream_
     1.5x as long (measured 30.5 s against 29.4 s, 2 cores, torch 2.13)."""
     without = _compile_deep_model(tmp_path, 1)
     with_recompute = _compile_deep_model(tmp_path, 0)
-    assert without["recompute_group"] == 1 and with_recompute["recompute_group"] == 4
+    assert without["recompute_group"] == 1 and with_recompute["recompute_group"] == 6
     assert with_recompute["compile_s"] <= 1.5 * without["compile_s"], (with_recompute["compile_s"],
                                                                        without["compile_s"])
 

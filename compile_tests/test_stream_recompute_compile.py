@@ -38,10 +38,10 @@ def eager_rebuilds(monkeypatch):
     return asked
 
 
-def _models(layers=2, dim=32):
+def _models(layers=2, dim=32, group_size=None):
     torch.manual_seed(3)
     plain = TinyLM(vocab=30, dim=dim, layers=layers, heads=2, max_len=16).to(DEVICE)
-    return plain, cnn.recompute_mhc(copy.deepcopy(plain))
+    return plain, cnn.recompute_mhc(copy.deepcopy(plain), group_size)
 
 
 class _Graphs:
@@ -76,7 +76,7 @@ def _compiled_grads(model, tokens):
 
 
 def test_compiled_model_keeps_only_group_inputs_and_rebuilds_in_the_backward():
-    plain, rc = _models(layers=4)  # 8 mHC layers: two groups of n = 4
+    plain, rc = _models(layers=4, group_size=4)  # 8 mHC layers: two groups of 4
     tokens = torch.randint(0, 30, (2, 13), device=DEVICE)
     want, without = _compiled_grads(plain, tokens)
     got, graphs = _compiled_grads(rc, tokens)

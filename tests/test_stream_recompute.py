@@ -211,14 +211,14 @@ def test_retain_graph_second_backward_raises():
 
 
 def test_turn_off_repr_copies():
-    model = _stack(4, 16, 6)
+    model = _stack(4, 16, 7)
     assert cnn.recompute_mhc(model) is model
     layer = model[1]
-    assert layer.recompute_group == 4 and "recompute_group=4" in repr(layer)  # n
-    assert cnn.recompute_mhc(_stack(2, 16, 6))[1].recompute_group == 2
+    assert layer.recompute_group == 6 and "recompute_group=6" in repr(layer)  # n + 2
+    assert cnn.recompute_mhc(_stack(2, 16, 6))[1].recompute_group == 4
     assert cnn.recompute_mhc(_stack(8, 16, 6))[1].recompute_group == 6  # n = 8, at most the 6 layers
     clone = copy.deepcopy(model)
-    assert clone[1].recompute_group == 4 and clone[1]._recompute is clone[2]._recompute
+    assert clone[1].recompute_group == 6 and clone[1]._recompute is clone[2]._recompute
     cnn.recompute_mhc(model, group_size=1)
     assert layer.recompute_group == 1 and "recompute" not in repr(layer)
     out = model(torch.randn(3, 16, device=DEVICE))

@@ -19,7 +19,7 @@ import torch
 
 from ..cake_mhc_train import cake_mhc_train_finish, cake_mhc_train_gated_head, cake_mhc_train_prepare
 from ..cake_rmsnorm_train import cake_rmsnorm
-from ..nn import StreamRecompute, stream_expand
+from ..nn import StreamRecompute, default_group_size, stream_expand
 
 SUPPORTED_HC_MULT = (2, 4, 8)
 RECOMPUTE_KWARG = "cakeops_recompute"  # how the patched model forward hands its StreamRecompute to its layers
@@ -27,15 +27,15 @@ RECOMPUTE_KWARG = "cakeops_recompute"  # how the patched model forward hands its
 
 class Settings:
     """What one ``apply_cakeops_to_deepseek_v4`` call chose; the forwards it binds read it. ``recompute``: False,
-    or the group size (an int), or True: ``hc_mult`` layers (nn.default_group_size's choice), one plan per n made
-    here, at patch time (a compiled forward then only looks one up)."""
+    or the group size (an int), or True: ``nn.default_group_size`` (hc_mult + 2 layers), one plan per n made here,
+    at patch time (a compiled forward then only looks one up)."""
 
     def __init__(self, recompute):
         self.recompute = recompute
         if recompute is False:
             self.plans = {}
         elif recompute is True:
-            self.plans = {n: StreamRecompute(n) for n in SUPPORTED_HC_MULT}
+            self.plans = {n: StreamRecompute(default_group_size(n)) for n in SUPPORTED_HC_MULT}
         else:
             self.plans = {n: StreamRecompute(recompute) for n in SUPPORTED_HC_MULT}
 

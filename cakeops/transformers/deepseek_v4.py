@@ -40,7 +40,7 @@ def _recompute_arg(recompute):
         return recompute
     if isinstance(recompute, int) and recompute >= 1:
         return False if recompute == 1 else recompute
-    raise TypeError(f"recompute: expected True (groups of hc_mult layers), False, or a group size (an int >= 1), "
+    raise TypeError(f"recompute: expected True (groups of hc_mult + 2 layers), False, or a group size (an int >= 1), "
                     f"got {recompute!r}")
 
 
@@ -97,8 +97,8 @@ def apply_cakeops_to_deepseek_v4(model: Optional[nn.Module] = None, *, rms_norm:
     parameter's dtype.
 
     ``recompute``: stream recompute (DeepSeek's mHC paper §4.3.2; ``cakeops.nn.StreamRecompute``): True keeps the
-    streams of one mHC layer in ``hc_mult`` (the first group rooted at the embedding's output h: C values per
-    token instead of n*C), an int sets that group size, False (default) keeps every layer's. Gradients are
+    streams of one mHC layer in ``hc_mult + 2`` (``cakeops.nn.default_group_size``; the first group rooted at the
+    embedding's output h: C values per token instead of n*C), an int sets that group size, False (default) keeps every layer's. Gradients are
     bitwise those without it, eager and under ``torch.compile`` (compiled: in Inductor's deterministic mode,
     ``torch._inductor.config.deterministic = True``; outside it any two compiles may differ in the last bits).
 
