@@ -29,14 +29,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
-    """n + 2 layers (6 at n = 4), at most the layers found (``n_layers``, where known). A layer keeps its B (C values per token) and a share
-    n * C / g of its group's first input, so a larger group keeps less; a group followed by as many layers rebuilds
-    all its streams in one pass (``Rebuilt``), whose cost per layer hardly depends on g, while the last groups
-    rebuild layer by layer (a layer k deep reads k earlier B's) and the at-once groups' streams are alive together.
-    On the H100 (2026-12-06, 16 blocks of C = 2048, compiled): 6 keeps 1.19x plain's peak against 4's 1.22x for a
-    step within a point of it; DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), assumes every group rebuilt at once
-    (design.md §6)."""
-    return max(1, min(n_streams + 2 if n_layers is None else n_layers, n_streams + 2))
+    """n + 2 layers (6 at n = 4), at most ``n_layers`` where known. A layer keeps its B (C values per token) and a
+    share n * C / g of its group's first input, so a larger group keeps less; a group followed by as many layers
+    rebuilds all its streams in one pass (``Rebuilt``), whose cost per layer hardly depends on g, while the last
+    groups rebuild layer by layer (a layer k deep reads k earlier B's) and an at-once group's streams are alive
+    together. On the H100 (2026-12-06, 16 blocks of C = 2048, compiled): 6 keeps 1.19x plain's peak against 4's
+    1.22x, the step within a point of it; DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), assumes every group rebuilt at
+    once (design.md §6)."""
+    size = n_streams + 2
+    return size if n_layers is None else max(1, min(n_layers, size))
 
 
 class _Expanded:

@@ -98,9 +98,10 @@ def apply_cakeops_to_deepseek_v4(model: Optional[nn.Module] = None, *, rms_norm:
 
     ``recompute``: stream recompute (DeepSeek's mHC paper §4.3.2; ``cakeops.nn.StreamRecompute``): True keeps the
     streams of one mHC layer in ``hc_mult + 2`` (``cakeops.nn.default_group_size``; the first group rooted at the
-    embedding's output h: C values per token instead of n*C), an int sets that group size, False (default) keeps every layer's. Gradients are
-    bitwise those without it, eager and under ``torch.compile`` (compiled: in Inductor's deterministic mode,
-    ``torch._inductor.config.deterministic = True``; outside it any two compiles may differ in the last bits).
+    embedding's output h: C values per token instead of n*C), an int sets that group size, False (default) keeps
+    every layer's. Gradients are bitwise those without it, eager and under ``torch.compile`` (compiled: in
+    Inductor's deterministic mode, ``torch._inductor.config.deterministic = True``; outside it any two compiles may
+    differ in the last bits).
 
     >>> from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     >>> cfg = DeepseekV4Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
