@@ -148,10 +148,12 @@ def test_fp32_loss_and_every_grad_match_hf(constants):
     assert err[worst] <= bound, (f"seed {seed}: {worst} grad {err[worst]:.2e} off fp64 (HF's fp32: "
                                  f"{err_hf[worst]:.2e}, HF's worst {max(err_hf.values()):.2e})")
     _assert_grads_close(g, g_hf, 2e-4, seed)
-    if constants:  # the constants matter at these values: HF itself moves with them
+    if constants:  # the constants matter at these values: HF's own gradients move past the check's tolerance
         other = DeepseekV4ForCausalLM(_config()).train()
         other.load_state_dict(hf.state_dict())
-        assert (other(input_ids=ids, labels=ids).loss - loss_hf).abs() > 1e-3
+        # (not the loss: some seeds move it by only 5e-4 of ~4)
+        with pytest.raises(AssertionError, match="grad max-rel error"):
+            _assert_grads_close(_step(other, ids)[1], g_hf, 2e-4, seed)
 
 
 def test_every_norm_site_and_hyper_connection_goes_through_cakeops():
