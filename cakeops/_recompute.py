@@ -108,7 +108,7 @@ class LayerCount:
 
 class Rebuilt:
     """What a group's layers share for the backward: ``streams`` {k: layer k's streams}, made by the first of its
-    layers' backward to run and taken by each layer's; ``at_once``: rebuild all of them in that one pass. A group
+    layers' backward to run and taken by each layer's; ``at_once``: whether that pass rebuilds all of them. A group
     does so once at least as many layers as its own followed it in the forward: their backward ran first and freed
     their activations, room for its streams beside what it keeps. Nearer the end (the backward's start, the step's
     peak) one layer's streams are rebuilt at a time, as each layer's backward needs them."""
@@ -121,9 +121,10 @@ class Rebuilt:
     def joined(self) -> None:
         self.size += 1
 
-    @property
-    def at_once(self) -> bool:
-        return self._count.value - self.start - self.size >= self.size
+    def at_once(self, k: int) -> bool:
+        """Layer k's backward (the group's first to run) rebuilds layers 1..k in one pass: two or more of them, and
+        as many layers as the group's own followed it."""
+        return k >= 2 and self._count.value - self.start - self.size >= self.size
 
 
 class StreamGroup:
@@ -153,7 +154,7 @@ class StreamGroup:
                     "(retain_graph=True) needs stream recompute off: cakeops.nn.recompute_mhc(model, group_size=1)")
             from ._ops import mhc as ops
 
-            if k >= 2 and self.rebuilt.at_once:  # layers 1..k in one pass (layer 0 keeps X0 or is h's copy)
+            if self.rebuilt.at_once(k):  # layers 1..k in one pass (layer 0 keeps X0 or is h's copy)
                 self.rebuilt.streams.update(enumerate(ops.rebuild_impl(self.X0, self.links[:k], every=True), 1))
             else:
                 if self.table is None or self.table.shape[1] < k:

@@ -159,10 +159,11 @@ def rebuild_impl(X0: Tensor, links, table: Optional[Tensor] = None, every: bool 
             kernels.rebuild(X0, [B for B, _ in links], [stats for _, stats in links], Ys if every else Ys[0],
                             None if every else table)
         return Ys if every else Ys[0]
-    Ys = []
-    for B, stats in links:
-        Ys.append(finish_impl(X0 if not Ys else Ys[-1], B, stats, Y=None if every or not Ys else Ys[-1]))
-    return Ys if every else Ys[-1]
+    Y, Ys = X0, []
+    for B, stats in links:  # in one buffer, in place, unless every layer's streams are kept
+        Y = finish_impl(Y, B, stats, Y=None if every or Y is X0 else Y)
+        Ys.append(Y)
+    return Ys if every else Y
 
 
 def head_forward_impl(X: Tensor, Y: Optional[Tensor] = None) -> Tensor:

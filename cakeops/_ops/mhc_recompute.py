@@ -141,7 +141,7 @@ def _backward_finish_node(ctx, dY):
         X0 = _recompute.root_streams(X, ctx.n) if ctx.rooted else flat(X, 3)
         Bs, records = [flat(b, 2) for b in saved[3:3 + k]], list(saved[3 + k:])
         X = ctx.rebuilt.streams.pop(k, None)  # made by a later layer's backward of the group
-        if X is None and k >= 2 and ctx.rebuilt.at_once:  # the group's first backward: its layers 1..k at once
+        if X is None and ctx.rebuilt.at_once(k):  # the group's first backward: its layers 1..k at once
             every = torch.ops.cakeops.mhc_rebuild_every(X0, Bs, records, dY3)
             ctx.rebuilt.streams.update(enumerate(every[:-1], 1))
             X = every[-1]
