@@ -206,14 +206,16 @@ def rebuild_table(Bs, stats_list, device, outputs=None) -> torch.Tensor:
 @dataclass(frozen=True)
 class RebuildConfig:
     """Launch shape of the rebuild kernel: ``elements`` stream values (n * BLOCK_C) per program, held in registers
-    through every layer; ``warps`` None: a warp per 256 columns, at most 8. The default measured best or level
-    among ``candidates`` on the H200 (K = 4, bf16; n = 4, T=16384 C=4096: 658 us against 803 at 8192 elements)."""
+    through every layer; ``warps`` None: a warp per 256 columns and per 1024 stream values, whichever gives more, at
+    most 8. The default measured best or level among ``candidates`` on the H200 (K = 4, bf16; n = 4, T=16384
+    C=4096: 658 us against 803 at 8192 elements). The second bound is n = 8's: a warp per 256 columns held 64
+    values a thread (sm_90, triton 3.6: 128 registers chained, 201 in the every-layer form, 10-16 warps per SM)."""
     elements: int = 4096
     warps: Optional[int] = None
 
     def resolve(self, C: int, n: int):
         block_c = min(2048, next_power_of_2(C), max(1, self.elements // n))
-        return block_c, self.warps or max(1, min(8, block_c // 256))
+        return block_c, self.warps or max(1, min(8, max(block_c // 256, n * block_c // 1024)))
 
     @staticmethod
     def candidates():
