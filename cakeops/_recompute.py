@@ -35,9 +35,14 @@ def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
     groups rebuild layer by layer (a layer k deep reads k earlier B's) and an at-once group's streams are alive
     together. On the H100 (2026-12-06, 16 blocks of C = 2048, compiled): 6 keeps 1.19x plain's peak against 4's
     1.22x, the step within a point of it; DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), assumes every group rebuilt at
-    once (design.md §6)."""
+    once (design.md §6). Where ``n_layers`` is known, the groups that n + 2 asks for share the layers evenly (8
+    layers at n = 4: two groups of 4, not 6 and 2): as many groups, each X0 kept as before, and fewer layers
+    rebuilt layer by layer."""
     size = n_streams + 2
-    return size if n_layers is None else max(1, min(n_layers, size))
+    if n_layers is None:
+        return size
+    groups = -(-max(1, n_layers) // size)
+    return -(-max(1, n_layers) // groups)
 
 
 class _Expanded:

@@ -211,11 +211,13 @@ def test_retain_graph_second_backward_raises():
 
 
 def test_turn_off_repr_copies():
-    model = _stack(4, 16, 7)
+    model = _stack(4, 16, 12)
     assert cnn.recompute_mhc(model) is model
     layer = model[1]
     assert layer.recompute_group == 6 and "recompute_group=6" in repr(layer)  # n + 2
-    assert cnn.recompute_mhc(_stack(2, 16, 6))[1].recompute_group == 4
+    # the groups n + 2 asks for share the layers evenly: 7 or 8 layers at n = 4 in two groups of 4
+    assert [cnn.recompute_mhc(_stack(4, 16, L))[1].recompute_group for L in (7, 8, 13)] == [4, 4, 5]
+    assert cnn.recompute_mhc(_stack(2, 16, 8))[1].recompute_group == 4
     assert cnn.recompute_mhc(_stack(8, 16, 6))[1].recompute_group == 6  # n = 8, at most the 6 layers
     clone = copy.deepcopy(model)
     assert clone[1].recompute_group == 6 and clone[1]._recompute is clone[2]._recompute

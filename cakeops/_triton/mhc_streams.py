@@ -206,16 +206,19 @@ def rebuild_table(Bs, stats_list, device, outputs=None) -> torch.Tensor:
 @dataclass(frozen=True)
 class RebuildConfig:
     """Launch shape of the rebuild kernel: ``elements`` stream values (n * BLOCK_C) per program, held in registers
-    through every layer; ``warps`` None: a warp per 256 columns and per 1024 stream values, whichever gives more, at
-    most 8. The default measured best or level among ``candidates`` on the H200 (K = 4, bf16; n = 4, T=16384
-    C=4096: 658 us against 803 at 8192 elements). The second bound is n = 8's: a warp per 256 columns held 64
-    values a thread (sm_90, triton 3.6: 128 registers chained, 201 in the every-layer form, 10-16 warps per SM)."""
+    through every layer; ``warps`` None: a warp per 256 columns, at most 8, and in the every-layer form at least a
+    warp per 1024 stream values. The default measured best or level among ``candidates`` on the H200 (K = 4, bf16;
+    n = 4, T=16384 C=4096: 658 us against 803 at 8192 elements). The every-layer bound is n = 8's: its rows and
+    the stored ones at 64 values a thread took 201 registers (sm_90, triton 3.6; 10 warps per SM), and 4 warps
+    instead of 2 were 8 % faster on the H100 (T=8192 C=2048, 4 layers: 743 against 808 us); chained, where 2 warps
+    hold 128 registers, 4 were 8 % slower (416 against 386 us), docs/perf.md."""
     elements: int = 4096
     warps: Optional[int] = None
 
-    def resolve(self, C: int, n: int):
+    def resolve(self, C: int, n: int, every: bool = False):
         block_c = min(2048, next_power_of_2(C), max(1, self.elements // n))
-        return block_c, self.warps or max(1, min(8, max(block_c // 256, n * block_c // 1024)))
+        per_warps = max(block_c // 256, n * block_c // 1024) if every else block_c // 256
+        return block_c, self.warps or max(1, min(8, per_warps))
 
     @staticmethod
     def candidates():
@@ -242,7 +245,7 @@ def rebuild(X0: torch.Tensor, Bs, stats_list, Y, table: Optional[torch.Tensor] =
     assert all(s.is_contiguous() for s in stats_list) and len({B.dtype for B in Bs}) == 1
     if table is None:
         table = rebuild_table(Bs, stats_list, X0.device, outputs if every else None)
-    block_c, warps = (config or RebuildConfig()).resolve(C, n)
+    block_c, warps = (config or RebuildConfig()).resolve(C, n, every)
     c_blocks = cdiv(C, block_c)
     Y0 = outputs[0]
     fast(_rebuild_kernel)[(T * c_blocks,)](
