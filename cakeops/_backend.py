@@ -50,11 +50,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# The current CUDA device without torch.cuda.current_device's lazy-init check (a CUDA tensor exists, so CUDA is
-# initialized): the device check runs before every eager launch, and the wrapper was ~4 us of each on an H100's host.
-_current_cuda_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-
-
 def kernel_device(t: torch.Tensor):
     """A context in which Triton kernels for ``t`` launch on ``t``'s GPU.
 
@@ -63,7 +58,7 @@ def kernel_device(t: torch.Tensor):
     would run on the wrong GPU. A no-op (no device switch, ~0.3 us) in the common case where the device is
     already current.
     """
-    if t.is_cuda and t.device.index is not None and t.device.index != _current_cuda_device():
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 
@@ -71,7 +66,7 @@ def kernel_device(t: torch.Tensor):
 def device_switch(t: torch.Tensor):
     """``kernel_device(t)``, or None where no switch is needed: a hot path then skips the ``with`` altogether
     (entering a null context costs as much as the check)."""
-    if t.is_cuda and t.device.index is not None and t.device.index != _current_cuda_device():
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return None
 

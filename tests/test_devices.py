@@ -18,7 +18,7 @@ def test_kernel_device_switches_only_to_another_gpu(monkeypatch):
         entered.append(device)
         yield
 
-    monkeypatch.setattr(_backend, "_current_cuda_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", recording_device)
     on = lambda index: SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))  # noqa: E731
     with _backend.kernel_device(on(1)):
