@@ -218,8 +218,8 @@ class MHC(_Mapping):
 
 
 def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
-    """``recompute_mhc``'s group size where none is given: n + 2 layers (6 at n = 4), at most ``n_layers`` where
-    known (design.md §6)."""
+    """``recompute_mhc``'s group size where none is given: n + 2 layers (6 at n = 4); where ``n_layers`` is known,
+    the groups that asks for share the layers evenly (8 layers at n = 4: two groups of 4; design.md §6)."""
     return _recompute.default_group_size(n_streams, n_layers)
 
 
@@ -231,8 +231,8 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     output and its per-token record; a group that starts at the output of a ``StreamExpand`` inside ``module``
     keeps StreamExpand's input h (the n streams are n copies of it) instead. Returns ``module``.
 
-    ``group_size``: an int >= 1; None takes n + 2 layers (6 at n = 4; at most the L layers found; design.md §6 has
-    the trade-off); 1 turns recompute off again (every layer keeps its own streams). Shown in each layer's repr.
+    ``group_size``: an int >= 1; None takes n + 2 layers (6 at n = 4), the groups sharing the L layers found evenly
+    (8 layers: two groups of 4; design.md §6 has the trade-off); 1 turns recompute off again (every layer keeps its own streams). Shown in each layer's repr.
     A group followed in the forward by at least as many layers as its own rebuilds all its layers' streams in one
     pass when its backward starts; the last groups, whose backward runs at the step's peak, one layer at a time.
 
