@@ -33,6 +33,8 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
     # the same weights, the same model: the first step's losses of the compiled cakeops and math models agree
     assert rows["cakeops"]["loss"] == pytest.approx(rows["math"]["loss"], rel=1e-5)
     assert rows["cakeops-recompute"]["loss"] == rows["cakeops"]["loss"]  # the same weights and math
+    # the default group in effect is recorded and shown: one block's two mHC layers make one group of 2
+    assert rows["cakeops-recompute"]["recompute_group"] == 2 and "recompute_group" not in rows["cakeops"]
     assert rows["plain"]["overhead_pct"] == 0.0
     assert rows["cakeops"]["overhead_pct"] == pytest.approx(
         100 * (rows["cakeops"]["step_ms"] / rows["plain"]["step_ms"] - 1))
@@ -43,6 +45,7 @@ def test_cpu_run_end_to_end(tmp_path, capsys):
     assert ("| config | plain residual | cakeops mHC | cakeops mHC + recompute | mHC as torch.compile'd math | "
             "TE Triton mHC |") in md
     assert "Agreement check: cakeops vs math" in md and "not performance numbers" in md
+    assert md.count("groups of 2") >= 1
     assert (tmp_path / "model.png").exists() == bench_model.plot.available()
 
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernel_breakdown, plot, report
+from ..nn import MHC
 from .console import say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
 
@@ -213,6 +214,8 @@ def run_variant(cfg: Config, variant: str, opts: argparse.Namespace, device: tor
         say(f"  {variant}: building the model")
         model = build(cfg, _base(variant), device, dtype, opts.norm, opts.seed, recompute_group=group)
         row["params"] = sum(p.numel() for p in model.parameters())
+        if _base(variant) == RECOMPUTE:  # the group size in effect, recompute_mhc's default included
+            row["recompute_group"] = next(m.recompute_group for m in model.modules() if isinstance(m, MHC))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5) if opts.optimizer else None
         tokens, targets = _tokens(cfg, device, opts.seed)
         fullgraph = opts.compile
@@ -434,6 +437,8 @@ def detail_table(results: Sequence[Dict[str, Any]], cuda: bool) -> report.Table:
     for res in results:
         for r in res["rows"]:
             notes = [] if r["status"] == "ok" else [r["status"]]
+            if r.get("recompute_group"):
+                notes.append(f"groups of {r['recompute_group']}")
             if r.get("fullgraph") is False:
                 notes.append(f"graph breaks ({r.get('graph_break', '')[:80]})")
             cells.append([res["preset"], r["variant"], _fmt(r.get("step_ms"), ".2f"), _pct(r.get("overhead_pct")),
