@@ -41,8 +41,9 @@ def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
     size = n_streams + 2
     if n_layers is None:
         return size
-    groups = -(-max(1, n_layers) // size)
-    return -(-max(1, n_layers) // groups)
+    layers = max(1, n_layers)
+    groups = -(-layers // size)
+    return -(-layers // groups)
 
 
 class _Expanded:

@@ -232,7 +232,8 @@ def recompute_mhc(module: nn.Module, group_size: Optional[int] = None) -> nn.Mod
     keeps StreamExpand's input h (the n streams are n copies of it) instead. Returns ``module``.
 
     ``group_size``: an int >= 1; None takes n + 2 layers (6 at n = 4), the groups sharing the L layers found evenly
-    (8 layers: two groups of 4; design.md §6 has the trade-off); 1 turns recompute off again (every layer keeps its own streams). Shown in each layer's repr.
+    (8 layers: two groups of 4; design.md §6 has the trade-off); 1 turns recompute off again (every layer keeps its
+    own streams). Shown in each layer's repr.
     A group followed in the forward by at least as many layers as its own rebuilds all its layers' streams in one
     pass when its backward starts; the last groups, whose backward runs at the step's peak, one layer at a time.
 
