@@ -29,15 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def default_group_size(n_streams: int, n_layers: Optional[int] = None) -> int:
-    """n + 2 layers (6 at n = 4), at most ``n_layers`` where known. A layer keeps its B (C values per token) and a
-    share n * C / g of its group's first input, so a larger group keeps less; a group followed by as many layers
-    rebuilds all its streams in one pass (``Rebuilt``), whose cost per layer hardly depends on g, while the last
-    groups rebuild layer by layer (a layer k deep reads k earlier B's) and an at-once group's streams are alive
-    together. On the H100 (2026-12-06, 16 blocks of C = 2048, compiled): 6 keeps 1.19x plain's peak against 4's
-    1.22x, the step within a point of it; DeepSeek's Eq. 20, sqrt(n * L / (n + 2)), assumes every group rebuilt at
-    once (design.md §6). Where ``n_layers`` is known, the groups that n + 2 asks for share the layers evenly (8
-    layers at n = 4: two groups of 4, not 6 and 2): as many groups, each X0 kept as before, and fewer layers
-    rebuilt layer by layer."""
+    """n + 2 layers (6 at n = 4); where ``n_layers`` is known, the groups that asks for share the layers evenly (8
+    layers at n = 4: two groups of 4, not 6 and 2: as many X0's kept, fewer layers rebuilt layer by layer). A layer
+    keeps its B (C values per token) and a share n * C / g of its group's first input, so a larger group keeps less;
+    a group followed by as many layers rebuilds all its streams in one pass (``Rebuilt``), whose cost per layer
+    hardly depends on g, while the last groups rebuild layer by layer (a layer k deep reads k earlier B's) and an
+    at-once group's streams are alive together. On the H100 (2026-12-06, 16 blocks of C = 2048, compiled): 6 keeps
+    1.19x plain's peak against 4's 1.22x, the step within a point of it; DeepSeek's Eq. 20, sqrt(n * L / (n + 2)),
+    assumes every group rebuilt at once (design.md §6)."""
     size = n_streams + 2
     if n_layers is None:
         return size

@@ -31,14 +31,14 @@ def _token_and_columns(c_blocks, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _mix_in(y, comb_i, x_i):
-    """y [N, BLOCK_C] + comb_i [N] (x) x_i [BLOCK_C] as one explicit fused multiply-add per element. Written as
-    ``y += a * b`` the compiler may fuse either product of ``post * B + comb_0 * x_0`` into the add, and which one
-    it picks depends on the kernel's code around it and on its specialization (C divisible by 16 or not, Inductor's
-    build or Triton's): forward_finish and the rebuild kernel then differed in the last bit (H200, n = 2, C = 16).
-    An explicit fma leaves the compiler no choice, so both kernels round alike wherever they are built."""
-    comb = tl.broadcast_to(comb_i[:, None], y.shape)
-    return tl.fma(comb, tl.broadcast_to(x_i[None, :], y.shape), y)
+def _mix_in(y, comb, x):
+    """y + comb * x as one explicit fused multiply-add per element of y (comb and x broadcast to y's shape: the
+    finish kernel's [N, 1] x [1, BLOCK_C] tile, the rebuild kernel's scalar x row). Written as ``y += a * b`` the
+    compiler may fuse either product of ``post * B + comb_0 * x_0`` into the add, and which one it picks depends on
+    the kernel's code around it and on its specialization (C divisible by 16 or not, Inductor's build or Triton's):
+    forward_finish and the rebuild kernel then differed in the last bit (H200, n = 2, C = 16). An explicit fma
+    leaves the compiler no choice, so both kernels round alike wherever they are built."""
+    return tl.fma(tl.broadcast_to(comb, y.shape), tl.broadcast_to(x, y.shape), y)
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _finish_kernel(
     y = tl.load(s_row + POST(N) + j)[:, None] * b[None, :]
     for i in tl.static_range(N):
         x = tl.load(X + t * stride_xt + i * stride_xi + c, mask=c_ok, other=0.0).to(tl.float32)
-        y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j), x)
+        y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j)[:, None], x[None, :])
     tl.store(Y + t * stride_yt + j[:, None] * stride_yi + c[None, :], y.to(Y.dtype.element_ty),
              mask=c_ok[None, :])
 
@@ -86,7 +86,7 @@ def _rebuild_kernel(
         for j in tl.static_range(N):
             y = tl.load(s_row + POST(N) + j) * b
             for i in tl.static_range(N):
-                y = tl.fma(tl.broadcast_to(tl.load(s_row + COMB(N) + i * N + j), y.shape), xs[i], y)
+                y = _mix_in(y, tl.load(s_row + COMB(N) + i * N + j), xs[i])
             ys = ys + (y.to(Y.dtype.element_ty).to(tl.float32),)
         xs = ys
         if EVERY:
@@ -217,8 +217,8 @@ class RebuildConfig:
 
     def resolve(self, C: int, n: int, every: bool = False):
         block_c = min(2048, next_power_of_2(C), max(1, self.elements // n))
-        per_warps = max(block_c // 256, n * block_c // 1024) if every else block_c // 256
-        return block_c, self.warps or max(1, min(8, per_warps))
+        warps = max(block_c // 256, n * block_c // 1024) if every else block_c // 256
+        return block_c, self.warps or max(1, min(8, warps))
 
     @staticmethod
     def candidates():
