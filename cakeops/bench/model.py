@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import kernel_breakdown, plot, report
+from . import floor, kernel_breakdown, plot, report
 from ..nn import MHC
 from .console import say
 from .model_zoo import PRESETS, VARIANTS, Config, build, te_status
@@ -409,6 +409,35 @@ def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:+.1f} %"
 
 
+FLOOR_CAPTION = ("The byte floor of mHC's step cost (python -m cakeops.bench.floor): rows a layer moves per token, "
+                 "fwd + bwd, and the overhead over plain if every pass ran at this run's copy bandwidth.")
+
+
+def add_floors(results: List[Dict[str, Any]], device: torch.device, dtype: torch.dtype) -> None:
+    """Each config's byte floors (bench/floor.py) against its plain step, at the copy bandwidth measured now."""
+    plains = {id(res): next((r for r in res["rows"] if r["variant"] == "plain" and r["status"] == "ok"), None)
+              for res in results}
+    if not any(plains.values()):
+        return
+    from .core import copy_gbps
+    ceiling = copy_gbps(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for res in results:
+        plain = plains[id(res)]
+        if plain is not None:
+            res["floor"] = floor.for_config(res["cfg"], plain["step_ms"], ceiling, itemsize,
+                                            floor.GOALS.get(res["preset"]))
+
+
+def floor_table(results: Sequence[Dict[str, Any]]) -> report.Table:
+    cells = []
+    for res in results:
+        if "floor" in res:
+            mine = next((r for r in res["rows"] if r["variant"] == "cakeops" and r["status"] == "ok"), None)
+            cells.append(floor.table_rows(res["preset"], res["floor"], mine and mine["overhead_pct"]))
+    return floor.HEADER, cells
+
+
 def summary_table(results: Sequence[Dict[str, Any]], variants: Sequence[str]) -> report.Table:
     """The issue's layout: one row per config, one column per variant, ``ms (+overhead %)``."""
     columns = ["config"] + [_title(v) for v in variants]
@@ -548,12 +577,15 @@ def _write(out: Path, env, opts, check, results, variants, dtype_name) -> List[P
                 if r.get("cakeops_kernel_ms"):
                     top = ", ".join(f"{k} {v:.2f}" for k, v in list(r["cakeops_kernel_ms"].items())[:12])
                     detail += f"\n{res['preset']} {r['variant']}: cakeops kernels, ms per step: {top}\n"
+    if any("floor" in res for res in results):
+        detail += "\n" + FLOOR_CAPTION + "\n\n" + report.markdown(floor_table(results))
     path_md = out / "model.md"
     out.mkdir(parents=True, exist_ok=True)
     path_md.write_text("\n".join(header) + "\n" + summary + "\n" + detail)
     meta = dict(env, options={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
                 step=step, check=check)
-    payload_rows = [dict(r, preset=res["preset"], config=res["config"]) for res in results for r in res["rows"]]
+    payload_rows = [dict(r, preset=res["preset"], config=res["config"], floor=res.get("floor"))
+                    for res in results for r in res["rows"]]
     written = [path_md, report.write_json(out / "model.json", meta, payload_rows)]
     if plot.available():
         title = f"{env['device']}, {dtype_name}, {step}; bar labels: overhead vs plain"
@@ -653,12 +685,20 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             else:
                 say(f"  {v}: {row['status']}")
         _overheads(rows)
-        results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows})
+        results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows, "cfg": cfg})
         ok = ok and all(r["status"] == "ok" or r.get("skipped") for r in rows)  # TE absent is no failure
     print()
     print(report.text(summary_table(results, variants)))
     print()
     print(report.text(detail_table(results, cuda)))
+    if cuda:
+        add_floors(results, device, dtype)
+        if any("floor" in res for res in results):
+            print()
+            print(FLOOR_CAPTION)
+            print(report.text(floor_table(results)))
+    for res in results:
+        del res["cfg"]
     written = _write(opts.out, env, opts, check, results, variants, dtype_name)
     print("wrote " + ", ".join(str(p) for p in written))
     if not cuda:
