@@ -89,3 +89,30 @@ def test_bench_model_adds_floors_at_the_copy_bandwidth_it_measures(monkeypatch):
     f = with_plain["floor"]
     assert f["copy_gbps"] == 3000.0 and f["goal_pct"] == 10.0
     assert f["today"]["pct"] == pytest.approx(100 * floor.overhead_ms("today", 4, 8, 8192, 2048, 2, 3000.0) / 27.3)
+
+
+def test_step_plot_marks_the_floors_on_the_cakeops_bar(tmp_path):
+    pytest.importorskip("matplotlib")
+    cfg = PRESETS["c2048"]
+    rows = [{"variant": "plain", "status": "ok", "step_ms": 27.3, "overhead_pct": 0.0},
+            {"variant": "cakeops", "status": "ok", "step_ms": 31.9, "overhead_pct": 16.8}]
+    results = [{"preset": "c2048", "rows": rows, "config": dict(cfg.as_dict(), label=cfg.label),
+                "floor": floor.for_config(cfg, 27.3, 3000.0, 2, 10.0)}]
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    drawn = []
+    real = plt.Axes.hlines
+    def spy(self, y, *args, **kwargs):
+        drawn.append((round(float(y), 3), kwargs.get("label")))
+        return real(self, y, *args, **kwargs)
+    plt.Axes.hlines = spy
+    try:
+        path = bench_model.step_time_plot(tmp_path / "model.png", results, ["plain", "cakeops"], "t")
+    finally:
+        plt.Axes.hlines = real
+    assert path.exists()
+    f = results[0]["floor"]
+    assert drawn == [(round(27.3 + f["today"]["ms"], 3), "byte floor, today's passes"),
+                     (round(27.3 + f["every fusion"]["ms"], 3), "byte floor, every fusion"),
+                     (round(27.3 * 1.1, 3), "goal")]

@@ -524,6 +524,7 @@ def step_time_plot(path: Path, results: Sequence[Dict[str, Any]], variants: Sequ
                           else f"{r['overhead_pct']:+.0f}%")
         bars = ax.bar(xs, heights, width, label=_title(v), color=_color(v, variants))
         ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+    _floor_marks(ax, results, variants, width)
     ax.set_xticks(range(len(results)))
     ax.set_xlim(-0.5, len(results) - 0.5)
     ax.set_xticklabels([r["config"]["label"].replace(", B=", "\nB=") for r in results], fontsize=8)
@@ -533,6 +534,27 @@ def step_time_plot(path: Path, results: Sequence[Dict[str, Any]], variants: Sequ
     # a sweep's long titles ("... (groups of 6)") one per line, inside the axes
     ax.legend(fontsize=8, loc="upper left", ncol=1 if max(len(_title(v)) for v in variants) > 28 else 2)
     return plot._save(fig, path)
+
+
+def _floor_marks(ax, results: Sequence[Dict[str, Any]], variants: Sequence[str], width: float) -> None:
+    """On each cakeops bar with a byte floor: where the step would be if every pass ran at the copy bandwidth,
+    today's passes and with every fusion, and the goal."""
+    if "cakeops" not in variants:
+        return
+    x0 = (variants.index("cakeops") - (len(variants) - 1) / 2) * width
+    marks = (("today", "k", "-", "byte floor, today's passes"), ("every fusion", "k", ":", "byte floor, every fusion"))
+    labelled = set()
+    for g, res in enumerate(results):
+        f = res.get("floor")
+        if not f:
+            continue
+        levels = [(f["plain_ms"] + f[key]["ms"], color, style, label) for key, color, style, label in marks]
+        if "goal_pct" in f:
+            levels.append((f["plain_ms"] * (1 + f["goal_pct"] / 100), "tab:red", "--", "goal"))
+        for y, color, style, label in levels:
+            ax.hlines(y, g + x0 - width / 2, g + x0 + width / 2, colors=color, linestyles=style, linewidth=1.2,
+                      label=None if label in labelled else label)
+            labelled.add(label)
 
 
 def _environment(device: torch.device) -> Dict[str, Any]:
