@@ -37,7 +37,7 @@ from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
 from . import arch
-from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
+from .launch import cdiv, kept_per_shape, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
@@ -452,6 +452,36 @@ def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Ten
         )
 
 
+class _Launch(NamedTuple):
+    """What a backward_finish call launches with, from its sizes alone (``_launch``)."""
+    cfg: FinishConfig     # resolved for n streams, X's dtype and the GPU
+    plan: _Plan
+    precision: str        # the projections' input precision
+    dfn_options: dict     # kernel C's constexprs and launch options
+
+
+@kept_per_shape
+def _launch(X: torch.Tensor, iters: int, deterministic: bool, config: Optional[FinishConfig]) -> _Launch:
+    T, n, C = X.shape
+    dtype = X.dtype
+    cfg = (config or FinishConfig()).resolve(n)
+    if config is None and n > 4 and dtype.itemsize == 4:
+        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
+        # memory (sm_90 has 227 KB), 16 fit; per stream: half bf16's columns (64 of 8 warps, three-pass TF32: 128
+        # registers, no spill on sm_90), never capped
+        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
+    if config is None and n > 4 and dtype != torch.bfloat16:
+        # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
+        # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
+        cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
+    if config is None and cfg.dfn_stages:
+        # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
+        # stages: its tile sizes the workspace
+        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, dtype, not deterministic)
+    return _Launch(cfg, _plan(T, C, iters, X.device, deterministic, cfg, n), cfg.input_precision or _precision(dtype),
+                   _dfn_options(cfg, n, C, dtype, not deterministic))
+
+
 def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                     base: torch.Tensor, stats: torch.Tensor, grad_stats: torch.Tensor, rms_eps: float,
                     hc_eps: float, sinkhorn_iters: int, dX: torch.Tensor, dfn: torch.Tensor, dscale: torch.Tensor,
@@ -477,27 +507,12 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
     assert dfn.shape == (M, n * C) and dfn.is_contiguous() and dscale.is_contiguous() and dbase.is_contiguous()
     assert all(t.dtype == torch.float32 for t in (fn, scale, base, stats, grad_stats, dfn, dscale, dbase))
     assert 1 <= sinkhorn_iters
-    cfg = (config or FinishConfig()).resolve(n)
-    if config is None and n > 4 and X.element_size() == 4:
-        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
-        # memory (sm_90 has 227 KB), 16 fit; per stream: half bf16's columns (64 of 8 warps, three-pass TF32: 128
-        # registers, no spill on sm_90), never capped
-        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
-    if config is None and n > 4 and X.dtype != torch.bfloat16:
-        # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
-        # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
-        cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
-    if config is None and cfg.dfn_stages:
-        # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
-        # stages: its tile sizes the workspace
-        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, X.dtype, not deterministic)
-    plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
+    cfg, plan, precision, dfn_options = _launch(X, sinkhorn_iters, deterministic, config)
     dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device,
                                                                       separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
-    precision = cfg.input_precision or _precision(X.dtype)
     dpre_slices = cdiv(C, plan.dpre_cols)
     fast(_dpre_kernel)[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
         X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
@@ -522,7 +537,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
         X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-        **_dfn_options(cfg, n, C, X.dtype, atomic),
+        **dfn_options,
     )
     if not atomic:
         width = M * n * C
