@@ -426,8 +426,8 @@ def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Ten
     resolved for X's n; ``precision``: the projection's input precision."""
     T, n, C = X.shape
     M, m_pad = 2 * n + n * n, logits_pad(n)
-    strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
-               dX.stride(0), dX.stride(1))
+    # (whole stride tuples: one call each, where stride(d) is one per dim)
+    strides = X.stride()[:2] + dY.stride()[:2] + (dU.stride()[0], fn.stride()[0], stats.stride()[0]) + dX.stride()[:2]
     if cfg.dx_by_stream:
         block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
         fn_b = fn
@@ -502,8 +502,9 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         return
     M, m_pad = 2 * n + n * n, logits_pad(n)
     assert n in layout.SUPPORTED_STREAMS and dY.shape == X.shape and dX.shape == X.shape and dU.shape == (T, C)
-    assert X.stride(2) == 1 and dY.stride(2) == 1 and dX.stride(2) == 1 and dU.stride(1) == 1
-    assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1
+    sx, s_stats, s_gs = X.stride(), stats.stride(), grad_stats.stride()
+    assert sx[2] == 1 and dY.stride(2) == 1 and dX.stride(2) == 1 and dU.stride(1) == 1
+    assert s_stats[1] == 1 and s_gs[1] == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1
     assert dfn.shape == (M, n * C) and dfn.is_contiguous() and dscale.is_contiguous() and dbase.is_contiguous()
     assert all(t.dtype == torch.float32 for t in (fn, scale, base, stats, grad_stats, dfn, dscale, dbase))
     assert 1 <= sinkhorn_iters
@@ -515,12 +516,12 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
     dpre_slices = cdiv(C, plan.dpre_cols)
     fast(_dpre_kernel)[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
-        X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
+        X, dU, dpre, T, C, plan.dpre_cols, sx[0], sx[1], dU.stride(0),
         N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=plan.dpre_block_c, num_warps=cfg.dpre_warps,
     )
     fast(_dlogits_kernel)[(plan.dlogits_programs,)](
         dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
-        T, C, dpre_slices, stats.stride(0), grad_stats.stride(0), float(hc_eps), int(sinkhorn_iters),
+        T, C, dpre_slices, s_stats[0], s_gs[0], float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
@@ -536,7 +537,7 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
                                                             num_warps=4)
         dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-        X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
+        X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, sx[0], sx[1],
         **dfn_options,
     )
     if not atomic:

@@ -519,6 +519,7 @@ class _Launch(NamedTuple):
     regions: tuple        # workspace_regions: fn's pieces (presplit), the partials
     project_options: dict  # the projection's constexprs and launch options
     collapse: StreamConfig
+    pre: int              # the record's column of the first pre gate (PRE(n), a constexpr function: slow on the host)
 
 
 @kept_per_shape
@@ -528,7 +529,7 @@ def _launch(X: torch.Tensor, config: Optional[PrepareConfig]) -> _Launch:
     cols = cdiv(cdiv(C, cfg.slices), cfg.block_c) * cfg.block_c
     regions = tuple(workspace_regions(T, n, C, X.dtype, cfg))
     return _Launch(cfg, cols, cfg.presplit and X.dtype == torch.bfloat16, regions, _project_options(cfg, n, X.dtype),
-                   StreamConfig(block_c=cfg.collapse_block_c))
+                   StreamConfig(block_c=cfg.collapse_block_c), PRE(n))
 
 
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
@@ -547,7 +548,7 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    cfg, cols, presplit, regions, project_options, collapse_config = _launch(X, config)
+    cfg, cols, presplit, regions, project_options, collapse_config, pre = _launch(X, config)
     assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
     m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares
     if workspace is None:  # the autograd path: allocated per call, as workspace_regions lays them out
@@ -569,4 +570,4 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         N=n, M_PAD=m_pad, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
     if U is not None:
-        collapse(X, stats, U, PRE(n), config=collapse_config)
+        collapse(X, stats, U, pre, config=collapse_config)
