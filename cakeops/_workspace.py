@@ -4,6 +4,7 @@ allocate per call (FlashInfer's ``workspace=`` arguments; what CUDA-graph captur
 A workspace is a contiguous uint8 tensor on the op's device (as FlashInfer hands out; cakeops' earlier FP32
 RMSNorm workspaces still serve) whose bytes are reinterpreted; regions start at multiples of ``ALIGN`` bytes.
 """
+import functools
 from typing import Sequence, Tuple
 
 import torch
@@ -84,16 +85,23 @@ def fp32_scratch(sizes: Sequence[int], workspace, device: torch.device, separate
     launch the same kernels: Triton specializes a pointer on its 16-byte alignment, and the specialization can
     change a reduction's layout, so a piece at an odd offset summed its partials in another order (a gated-head
     model's fn gradient, traced against eager, H200)."""
-    need = fp32_scratch_numel(sizes)
+    need, offsets = _fp32_layout(tuple(sizes))
     if workspace is not None and workspace.dtype == torch.uint8:
         workspace = workspace[:4 * need].view(torch.float32)
     if workspace is None or workspace.numel() < need:
         if separate:
             return tuple(torch.empty(size, dtype=torch.float32, device=device) for size in sizes)
         workspace = torch.empty(need, dtype=torch.float32, device=device)
-    pieces, offset = [], 0
-    for size in sizes:  # carve's offsets, sliced from FP32 (a third of carve's host time: a backward's hot path)
+    # carve's offsets, sliced from FP32 (a third of carve's host time: a backward's hot path)
+    return tuple(workspace[offset:offset + size] for offset, size in zip(offsets, sizes))
+
+
+@functools.lru_cache(maxsize=256)  # per call on a backward's hot path; one layout per launch shape
+def _fp32_layout(sizes: Tuple[int, ...]) -> Tuple[int, Tuple[int, ...]]:
+    """(``fp32_scratch_numel(sizes)``, the FP32 offset of each piece)."""
+    offsets, offset = [], 0
+    for size in sizes:
         offset = _align(4 * offset) // 4
-        pieces.append(workspace[offset:offset + size])
+        offsets.append(offset)
         offset += size
-    return tuple(pieces)
+    return fp32_scratch_numel(sizes), tuple(offsets)

@@ -1,8 +1,14 @@
 """The bench harness on CPU: the check path, the declared bytes, the reports, and `bench` end to end."""
+import ast
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +16,7 @@ import torch
 from cakeops.bench import cli, core, report
 from cakeops.bench import rmsnorm_cases
 
+ROOT = Path(__file__).resolve().parent.parent
 RMSNORM_OPS = ["rmsnorm fwd", "add+rmsnorm fwd", "rmsnorm bwd", "rmsnorm bwd (fast dw)"]
 
 
@@ -235,6 +242,40 @@ def test_host_tool_measures_both_paths_without_kernels(capsys):
     assert (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare,
             mhc_backward.backward_finish) == launchers
     assert _backend.use_triton(torch.zeros(1)) == cpu_path
+
+
+_FAKE_DRIVER_SCRIPT = textwrap.dedent('''
+    import collections, contextlib
+    from cakeops.bench import host, host_rmsnorm
+    from cakeops._triton import mhc_backward, mhc_forward
+    launches = collections.Counter()
+    stand_in = host_rmsnorm.fake_driver
+    host_rmsnorm.fake_driver = lambda: stand_in(lambda name, *args: launches.update([name]))
+    launchers = (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare, mhc_backward.backward_finish)
+    assert host.main(["--fake-driver", "--calls", "2", "--reps", "1"]) == 0
+    assert launchers == (mhc_forward.prepare, mhc_forward.finish, mhc_backward.backward_prepare,
+                         mhc_backward.backward_finish)
+    print("launches", dict(launches))
+''')
+
+
+def test_host_tool_fake_driver_runs_the_mhc_launchers():
+    """``--fake-driver``: the real launchers run (Triton's launch path too), each kernel's compiled stand-in is
+    called once per layer fwd+bwd: 2 paths x (3 warm-up + 2 timed) calls."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the stand-in needs Triton's JIT
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", _FAKE_DRIVER_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "stand-in driver" in lines[0]
+    for path, line in zip(("eager", "compiled"), lines[1:3]):
+        assert line.split()[0] == path and float(line.split("reps")[1]) > 0
+    launches = ast.literal_eval(lines[3].split("launches ", 1)[1])
+    assert launches == dict.fromkeys(
+        ("_split_fn_kernel", "_project_kernel", "_gates_kernel", "_collapse_kernel", "_finish_kernel",
+         "_backward_prepare_kernel", "_dpre_kernel", "_dlogits_kernel", "_params_reduce_kernel", "_dx_kernel",
+         "_dfn_kernel", "_sum_partials_kernel"), 10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="kernel times come from the GPU profiler")

@@ -363,7 +363,12 @@ def prepare_backward(bwd, X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, st
         return None, None, None, None
     dU, dY, grad_stats = zeros_for_missing(X, dU, dY, grad_stats)
     dX, dfn, dscale, dbase = bwd(X, dY, dU, fn, scale, base, stats, grad_stats, *hparams, deterministic)
-    return dX, dfn.to(fn.dtype), dscale.to(scale.dtype), dbase.to(base.dtype)
+    return dX, _as_dtype(dfn, fn.dtype), _as_dtype(dscale, scale.dtype), _as_dtype(dbase, base.dtype)
+
+
+def _as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # ``t.to(dtype)`` is t itself at its own dtype, but its dispatch costs a layer's backward a microsecond a call
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def finish_backward(bwd, X: Tensor, B: Tensor, stats: Tensor, dY: Optional[Tensor]):

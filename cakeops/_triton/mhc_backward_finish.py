@@ -37,7 +37,7 @@ from ..meta import mhc_layout as layout
 from .._workspace import fp32_scratch, fp32_scratch_numel
 from .._backend import interpreting
 from . import arch
-from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
+from .launch import cdiv, kept_per_shape, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_backward_dlogits import _dlogits_kernel, _dpre_kernel
 from .mhc_backward_dx import _dfn_kernel, _dx_kernel, _dx_stream_kernel, _transpose_kernel
 from .mhc_columns import logits_pad
@@ -426,8 +426,8 @@ def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Ten
     resolved for X's n; ``precision``: the projection's input precision."""
     T, n, C = X.shape
     M, m_pad = 2 * n + n * n, logits_pad(n)
-    strides = (X.stride(0), X.stride(1), dY.stride(0), dY.stride(1), dU.stride(0), fn.stride(0), stats.stride(0),
-               dX.stride(0), dX.stride(1))
+    # (whole stride tuples: one call each, where stride(d) is one per dim)
+    strides = X.stride()[:2] + dY.stride()[:2] + (dU.stride()[0], fn.stride()[0], stats.stride()[0]) + dX.stride()[:2]
     if cfg.dx_by_stream:
         block_c = max(16, min(cfg.stream_block_c, next_power_of_2(C)))
         fn_b = fn
@@ -452,6 +452,36 @@ def launch_dx(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Ten
         )
 
 
+class _Launch(NamedTuple):
+    """What a backward_finish call launches with, from its sizes alone (``_launch``)."""
+    cfg: FinishConfig     # resolved for n streams, X's dtype and the GPU
+    plan: _Plan
+    precision: str        # the projections' input precision
+    dfn_options: dict     # kernel C's constexprs and launch options
+
+
+@kept_per_shape
+def _launch(X: torch.Tensor, iters: int, deterministic: bool, config: Optional[FinishConfig]) -> _Launch:
+    T, n, C = X.shape
+    dtype = X.dtype
+    cfg = (config or FinishConfig()).resolve(n)
+    if config is None and n > 4 and dtype.itemsize == 4:
+        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
+        # memory (sm_90 has 227 KB), 16 fit; per stream: half bf16's columns (64 of 8 warps, three-pass TF32: 128
+        # registers, no spill on sm_90), never capped
+        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
+    if config is None and n > 4 and dtype != torch.bfloat16:
+        # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
+        # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
+        cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
+    if config is None and cfg.dfn_stages:
+        # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
+        # stages: its tile sizes the workspace
+        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, dtype, not deterministic)
+    return _Launch(cfg, _plan(T, C, iters, X.device, deterministic, cfg, n), cfg.input_precision or _precision(dtype),
+                   _dfn_options(cfg, n, C, dtype, not deterministic))
+
+
 def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                     base: torch.Tensor, stats: torch.Tensor, grad_stats: torch.Tensor, rms_eps: float,
                     hc_eps: float, sinkhorn_iters: int, dX: torch.Tensor, dfn: torch.Tensor, dscale: torch.Tensor,
@@ -472,40 +502,26 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
         return
     M, m_pad = 2 * n + n * n, logits_pad(n)
     assert n in layout.SUPPORTED_STREAMS and dY.shape == X.shape and dX.shape == X.shape and dU.shape == (T, C)
-    assert X.stride(2) == 1 and dY.stride(2) == 1 and dX.stride(2) == 1 and dU.stride(1) == 1
-    assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1
+    sx, s_stats, s_gs = X.stride(), stats.stride(), grad_stats.stride()
+    assert sx[2] == 1 and dY.stride(2) == 1 and dX.stride(2) == 1 and dU.stride(1) == 1
+    assert s_stats[1] == 1 and s_gs[1] == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1
     assert dfn.shape == (M, n * C) and dfn.is_contiguous() and dscale.is_contiguous() and dbase.is_contiguous()
     assert all(t.dtype == torch.float32 for t in (fn, scale, base, stats, grad_stats, dfn, dscale, dbase))
     assert 1 <= sinkhorn_iters
-    cfg = (config or FinishConfig()).resolve(n)
-    if config is None and n > 4 and X.element_size() == 4:
-        # fp32 X at n = 8: kernel B's tiles are twice bf16's bytes. Batched: 32 columns need 280 KB of shared
-        # memory (sm_90 has 227 KB), 16 fit; per stream: half bf16's columns (64 of 8 warps, three-pass TF32: 128
-        # registers, no spill on sm_90), never capped
-        cfg = replace(cfg, block_c=cfg.block_c // 2, stream_block_c=cfg.stream_block_c // 2, stream_maxnreg=None)
-    if config is None and n > 4 and X.dtype != torch.bfloat16:
-        # kernel C's 256 columns were measured on bf16's split MMAs; TF32 tiles at 256 columns need 320 KB of
-        # shared memory for fp32 X (224 KB fp16), so 128 at 2 programs per SM (bf16's tile until 2026-12-03)
-        cfg = replace(cfg, dfn_block_c=cfg.dfn_block_c // 2, dfn_per_sm=2 * cfg.dfn_per_sm)
-    if config is None and cfg.dfn_stages:
-        # kernel C's pipeline as deep as the GPU's shared memory holds (sm_120 at n = 8: 2 stages); only its
-        # stages: its tile sizes the workspace
-        cfg = _dfn_fit(cfg, arch.target_of(X.device), n, C, X.dtype, not deterministic)
-    plan = _plan(T, C, sinkhorn_iters, X.device, deterministic, cfg, n)
+    cfg, plan, precision, dfn_options = _launch(X, sinkhorn_iters, deterministic, config)
     dz, part, scratch, dfn_part, dpre, fn_t, dz_pieces = fp32_scratch(plan.sizes, workspace, X.device,
                                                                       separate=tracing())
     atomic = not deterministic
     if atomic:  # the kernels add into the gradients
         _zero_unless_accumulate((dfn, dscale, dbase), accumulate)
-    precision = cfg.input_precision or _precision(X.dtype)
     dpre_slices = cdiv(C, plan.dpre_cols)
     fast(_dpre_kernel)[(cdiv(T, cfg.dpre_block_t), dpre_slices)](
-        X, dU, dpre, T, C, plan.dpre_cols, X.stride(0), X.stride(1), dU.stride(0),
+        X, dU, dpre, T, C, plan.dpre_cols, sx[0], sx[1], dU.stride(0),
         N=n, BLOCK_T=cfg.dpre_block_t, BLOCK_C=plan.dpre_block_c, num_warps=cfg.dpre_warps,
     )
     fast(_dlogits_kernel)[(plan.dlogits_programs,)](
         dpre, stats, grad_stats, scale, base, dz, part, scratch, dbase, dscale,
-        T, C, dpre_slices, stats.stride(0), grad_stats.stride(0), float(hc_eps), int(sinkhorn_iters),
+        T, C, dpre_slices, s_stats[0], s_gs[0], float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, ATOMIC=atomic, BLOCK_T=cfg.dlogits_block_t, num_warps=cfg.dlogits_warps,
     )
     if not atomic:  # right away, while A's partials are in L2
@@ -521,8 +537,8 @@ def backward_finish(X: torch.Tensor, dY: torch.Tensor, dU: torch.Tensor, fn: tor
                                                             num_warps=4)
         dz_c, dz_lo = pieces
     fast(_dfn_kernel)[(plan.dfn.columns, plan.dfn.splits)](
-        X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, X.stride(0), X.stride(1),
-        **_dfn_options(cfg, n, C, X.dtype, atomic),
+        X, dz_c, dz_lo, dfn if atomic else dfn_part, T, C, plan.dfn.blocks_per_split, sx[0], sx[1],
+        **dfn_options,
     )
     if not atomic:
         width = M * n * C

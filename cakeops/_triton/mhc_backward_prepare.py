@@ -159,15 +159,15 @@ def backward_prepare(dY: torch.Tensor, B: torch.Tensor, X: torch.Tensor, stats: 
     if T == 0:
         return
     assert n in layout.SUPPORTED_STREAMS and dY.shape == (T, n, C) and B.shape == (T, C) and dB.shape == (T, C)
-    assert dY.stride(2) == 1 and X.stride(2) == 1 and B.stride(1) == 1 and dB.stride(1) == 1
-    assert stats.stride(1) == 1 and grad_stats.stride(1) == 1 and grad_stats.dtype == torch.float32
+    s_dy, s_b, s_x, s_stats, s_db, s_gs = (t.stride() for t in (dY, B, X, stats, dB, grad_stats))
+    assert s_dy[2] == 1 and s_x[2] == 1 and s_b[1] == 1 and s_db[1] == 1
+    assert s_stats[1] == 1 and s_gs[1] == 1 and grad_stats.dtype == torch.float32
     assert grad_stats.shape == (T, layout.grad_stats_width(n)) and stats.shape == (T, layout.stats_width(n))
     launch = (config or BackwardPrepareConfig()).resolve(C, X.element_size(), n)
     pipelined = {"num_stages": launch.stages} if launch.stages else {}
     fast(_backward_prepare_kernel)[(T,)](
         dY, B, X, stats, dB, grad_stats, C,
-        dY.stride(0), dY.stride(1), B.stride(0), X.stride(0), X.stride(1), stats.stride(0), dB.stride(0),
-        grad_stats.stride(0),
+        s_dy[0], s_dy[1], s_b[0], s_x[0], s_x[1], s_stats[0], s_db[0], s_gs[0],
         N=n, BLOCK_C=launch.block_c, VEC=launch.vec, X_ROWS=launch.x_rows, STAGES=launch.stages or None,
         num_warps=launch.num_warps, **pipelined,
     )

@@ -23,7 +23,7 @@ stream strides.
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -34,7 +34,7 @@ from ..meta import mhc_layout as layout
 from .mhc_columns import PRE, POST, COMB, RSTD, MIX, STATS_USED, STATS_WIDTH, logits_pad
 from .._backend import interpreting
 from . import arch
-from .launch import cdiv, next_power_of_2, persistent_programs, pipeline_stages, register_cap
+from .launch import cdiv, kept_per_shape, next_power_of_2, persistent_programs, pipeline_stages, register_cap
 from .mhc_math import SINKHORN_TILE, bf16_pieces, dot_bf16, logit, sigmoid, sinkhorn
 from .mhc_streams import StreamConfig, collapse
 
@@ -511,6 +511,27 @@ def workspace_bytes_max(T: int, n: int, C: int, device: torch.device, config: Op
     return layout_bytes([((2, M, n * C), torch.bfloat16), (parts, torch.float32)])
 
 
+class _Launch(NamedTuple):
+    """What a forward_prepare / forward_stats call launches with, from X's sizes alone (``_launch``)."""
+    cfg: PrepareConfig    # resolved
+    cols: int             # projection: columns per slice
+    presplit: bool        # fn split into bf16 pieces first
+    regions: tuple        # workspace_regions: fn's pieces (presplit), the partials
+    project_options: dict  # the projection's constexprs and launch options
+    collapse: StreamConfig
+    pre: int              # the record's column of the first pre gate (PRE(n), a constexpr function: slow on the host)
+
+
+@kept_per_shape
+def _launch(X: torch.Tensor, config: Optional[PrepareConfig]) -> _Launch:
+    T, n, C = X.shape
+    cfg = layer_config(config, n, X.is_cuda).resolve(X, free=unset_fields(config))
+    cols = cdiv(cdiv(C, cfg.slices), cfg.block_c) * cfg.block_c
+    regions = tuple(workspace_regions(T, n, C, X.dtype, cfg))
+    return _Launch(cfg, cols, cfg.presplit and X.dtype == torch.bfloat16, regions, _project_options(cfg, n, X.dtype),
+                   StreamConfig(block_c=cfg.collapse_block_c), PRE(n))
+
+
 def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float, sinkhorn_iters: int, stats: torch.Tensor, U: Optional[torch.Tensor] = None, *,
             config: Optional[PrepareConfig] = None, workspace: Optional[torch.Tensor] = None) -> None:
@@ -527,30 +548,26 @@ def prepare(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     assert X.stride(2) == 1 and fn.shape == (M, n * C) and fn.stride(1) == 1 and fn.dtype == torch.float32
     assert stats.is_contiguous() and stats.shape == (T, layout.stats_width(n)) and stats.dtype == torch.float32
     assert U is None or (U.shape == (T, C) and U.stride(1) == 1)
-    cfg = layer_config(config, n, X.is_cuda).resolve(X, free=unset_fields(config))
+    cfg, cols, presplit, regions, project_options, collapse_config, pre = _launch(X, config)
     assert n in layout.SUPPORTED_STREAMS and 1 <= sinkhorn_iters and cfg.slices >= 1
-    block_t, block_c, slices = cfg.block_t, cfg.block_c, cfg.slices
     m_pad = logits_pad(n)  # > M: column M of a partial row carries the sum of squares
-    cols = cdiv(cdiv(C, slices), block_c) * block_c
-    presplit = cfg.presplit and X.dtype == torch.bfloat16
     if workspace is None:  # the autograd path: allocated per call, as workspace_regions lays them out
-        part = torch.empty(cdiv(C, cols), T, m_pad, dtype=torch.float32, device=X.device)
-        pieces = torch.empty(2, M, n * C, dtype=torch.bfloat16, device=X.device) if presplit else None
+        part = torch.empty(regions[-1][0], dtype=torch.float32, device=X.device)
+        pieces = torch.empty(regions[0][0], dtype=torch.bfloat16, device=X.device) if presplit else None
     else:
         from .._workspace import carve
-        *pieces, part = carve(workspace, workspace_regions(T, n, C, X.dtype, cfg))
+        *pieces, part = carve(workspace, regions)
         pieces = pieces[0] if presplit else None
     w = fn
     if presplit:
         w = pieces
         fast(_split_fn_kernel)[(M, cdiv(n * C, 1024))](fn, w, M, n * C, fn.stride(0), BLOCK=1024, num_warps=4)
-    fast(_project_kernel)[(cdiv(T, block_t), part.shape[0])](
-        X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2),
-        **_project_options(cfg, n, X.dtype),
+    fast(_project_kernel)[(cdiv(T, cfg.block_t), part.shape[0])](
+        X, w, part, T, C, cols, X.stride(0), X.stride(1), w.stride(-2), **project_options,
     )
     fast(_gates_kernel)[(cdiv(T, cfg.gates_block_t),)](
         part, scale, base, stats, part.shape[0], T, C, float(rms_eps), float(hc_eps), int(sinkhorn_iters),
         N=n, M_PAD=m_pad, BLOCK_T=cfg.gates_block_t, num_warps=cfg.gates_warps,
     )
     if U is not None:
-        collapse(X, stats, U, PRE(n), config=StreamConfig(block_c=cfg.collapse_block_c))
+        collapse(X, stats, U, pre, config=collapse_config)

@@ -160,11 +160,12 @@ def finish(X: torch.Tensor, B: torch.Tensor, stats: torch.Tensor, Y: torch.Tenso
     T, n, C = X.shape
     if T == 0:
         return
-    assert X.stride(2) == 1 and B.stride(1) == 1 and Y.stride(2) == 1 and stats.is_contiguous()
+    sx, sb, sy = X.stride(), B.stride(), Y.stride()
+    assert sx[2] == 1 and sb[1] == 1 and sy[2] == 1 and stats.is_contiguous()
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     fast(_finish_kernel)[(T * c_blocks,)](
-        X, B, stats, Y, C, X.stride(0), X.stride(1), B.stride(0), Y.stride(0), Y.stride(1), c_blocks,
+        X, B, stats, Y, C, sx[0], sx[1], sb[0], sy[0], sy[1], c_blocks,
         N=n, BLOCK_C=block_c, num_warps=warps,
     )
 
@@ -273,11 +274,12 @@ def _collapse(X, stats, Y, config):
     T, n, C = X.shape
     if T == 0:
         return
-    assert X.stride(2) == 1 and Y.stride(1) == 1
+    sx, sy = X.stride(), Y.stride()
+    assert sx[2] == 1 and sy[1] == 1
     block_c, warps = (config or StreamConfig()).resolve(C)
     c_blocks = cdiv(C, block_c)
     fast(_collapse_kernel)[(T * c_blocks,)](
-        X, Y if stats is None else stats, Y, C, X.stride(0), X.stride(1), Y.stride(0),
+        X, Y if stats is None else stats, Y, C, sx[0], sx[1], sy[0],
         0 if stats is None else stats.stride(0), c_blocks,
         N=n, WEIGHTED=stats is not None, BLOCK_C=block_c, num_warps=warps,
     )

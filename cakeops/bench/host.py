@@ -1,5 +1,6 @@
-"""``python -m cakeops.bench.host [--T 16384] [--C 4096] [--calls 20] [--reps 5] [--no-kernels]``: the host (CPU)
-cost of one mHC layer forward + backward (identity branch, bf16), eager and under ``torch.compile(fullgraph=True)``.
+"""``python -m cakeops.bench.host [--T 16384] [--C 4096] [--calls 20] [--reps 5] [--no-kernels | --fake-driver]``: the
+host (CPU) cost of one mHC layer forward + backward (identity branch, bf16), eager and under
+``torch.compile(fullgraph=True)``.
 ``--op rmsnorm``: the public RMSNorm path instead, next to torch's (``bench/host_rmsnorm.py``).
 
 Below some size a layer is host-bound: its kernels finish before the CPU has issued the next ones, and the CPU
@@ -8,7 +9,11 @@ layers are issued, so the clock measures issuing only; the paths alternate rep b
 speed drifts between runs (the H200 host measured the same code 2x apart on one day). ``--no-kernels`` (the
 default without a GPU) replaces the four launchers with no-ops and routes CPU tensors through the kernel path:
 what remains is the Python of cakeops and torch (checks, autograd, custom-op dispatch, Dynamo guards,
-AOTAutograd and Inductor wrappers), measurable on any machine.
+AOTAutograd and Inductor wrappers), measurable on any machine. ``--fake-driver`` (CPU only) runs the launchers
+too, and Triton's launch path behind them (``FastKernel``'s cached routes, ``JITFunction.run`` on a first call)
+against ``host_rmsnorm.fake_driver``'s stand-in driver, whose compiled kernels do nothing: what a layer's dozen
+launches cost the host, short of the compiled launcher itself. Without a GPU the clock is this process's CPU time
+(the host is shared: time spent descheduled is not ours).
 """
 import argparse
 import contextlib
@@ -60,7 +65,7 @@ def paths(T: int, C: int, device: torch.device) -> Dict[str, Callable[[], object
 def cpu_ms_per_call(runs: Dict[str, Callable[[], object]], calls: int, reps: int,
                     on_gpu: bool) -> Dict[str, List[float]]:
     """CPU milliseconds per call, one list of ``reps`` values per path; the paths alternate rep by rep."""
-    return host_time_per_call(runs, calls, reps, on_gpu, time.perf_counter, 1e3)
+    return host_time_per_call(runs, calls, reps, on_gpu, time.perf_counter if on_gpu else time.process_time, 1e3)
 
 
 def main(argv=None) -> int:
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--op", choices=("mhc", "rmsnorm"), default="mhc", help="what to measure (default: an mHC layer)")
     p.add_argument("--H", type=int, default=None, help="rmsnorm: hidden size (default: the issue's shapes on a GPU)")
     p.add_argument("--fake-driver", action="store_true",
-                   help="rmsnorm, CPU: run the launchers and triton's launch path against a stand-in driver")
+                   help="CPU: run the launchers and triton's launch path against a stand-in driver")
     args = p.parse_args(argv)
     if min(args.calls, args.reps) < 1:
         p.error("--calls and --reps must be >= 1")
@@ -81,12 +86,19 @@ def main(argv=None) -> int:
         from . import host_rmsnorm
 
         return host_rmsnorm.main(args)
-    if args.fake_driver or args.H is not None:
-        p.error("--fake-driver and --H apply to --op rmsnorm")
-    on_gpu = torch.cuda.is_available() and not args.no_kernels
+    if args.H is not None:
+        p.error("--H applies to --op rmsnorm")
+    if args.fake_driver and args.no_kernels:
+        p.error("--fake-driver runs the launchers, --no-kernels replaces them: pick one")
+    on_gpu = torch.cuda.is_available() and not (args.no_kernels or args.fake_driver)
     if on_gpu:
         device, ctx, T, C = torch.device("cuda"), contextlib.nullcontext(), args.T or 16384, args.C or 4096
         what = f"{torch.cuda.get_device_name()}, kernels launched, GPU kept busy"
+    elif args.fake_driver:
+        from .host_rmsnorm import fake_driver
+
+        device, ctx, T, C = torch.device("cpu"), fake_driver(), args.T or 64, args.C or 64
+        what = "CPU tensors, launchers and triton's launch path against a stand-in driver (no compiled launcher)"
     else:  # the host cost does not depend on the size: small tensors keep the reference-free path cheap
         device, ctx, T, C = torch.device("cpu"), no_kernels(), args.T or 64, args.C or 64
         what = "CPU tensors, launchers replaced by no-ops (the Python layers alone)"
