@@ -47,12 +47,12 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
     if residual is not None and h_out is None:
         h_out = x.new_empty(T, H)
     if _backend.use_triton(x):
-        switch = _backend.device_switch(x)
+        switch, device = _backend.device_switch(x)
         if switch is None:
-            _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
+            _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out, device=device)
         else:
             with switch:
-                _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
+                _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out, device=device)
     else:
         outs = reference.forward(x, w, eps, residual)
         y.copy_(outs[0])
@@ -80,12 +80,13 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
         rounds = deterministic and (not use_triton or _triton_kernels().ROUNDS_TO_NEAREST)
         dw = x.new_empty(H, dtype=dw_dtype if rounds else torch.float32)
     if use_triton:
-        switch = _backend.device_switch(x)
+        switch, device = _backend.device_switch(x)
         if switch is None:
-            _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+            _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace, device=device)
         else:
             with switch:
-                _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+                _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace,
+                                           device=device)
     else:
         ref_dx, ref_dw = reference.backward(g, x, w, rstd, g_residual)
         dx.copy_(ref_dx)
