@@ -64,11 +64,15 @@ def kernel_device(t: torch.Tensor):
 
 
 def device_switch(t: torch.Tensor):
-    """``kernel_device(t)``, or None where no switch is needed: a hot path then skips the ``with`` altogether
-    (entering a null context costs as much as the check)."""
-    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return None
+    """``(switch, device)``: ``kernel_device(t)``, or None where no switch is needed (a hot path then skips the
+    ``with`` altogether: entering a null context costs as much as the check), and the CUDA device current inside
+    it (None for a CPU tensor), which the launchers take so as not to ask for it again per launch."""
+    if not t.is_cuda:
+        return None, None
+    current, index = torch.cuda.current_device(), t.device.index
+    if index is None or index == current:
+        return None, current
+    return torch.cuda.device(t.device), index
 
 
 class AutocastOff:

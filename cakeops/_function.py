@@ -17,7 +17,11 @@ def first_order(what: str):
     def decorate(backward):
         @functools.wraps(backward)
         def checked(ctx, *grads):
-            if torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            # The engine runs a backward with grad mode as create_graph asks: off in the common case, where
+            # no_grad would change nothing and costs as much as the rest of this wrapper.
+            if not torch.is_grad_enabled():
+                return backward(ctx, *grads)
+            if any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
                 raise RuntimeError(
                     f"{what}: its backward is first order; a backward with create_graph=True through it (double "
                     f"backward, a Hessian-vector product, a gradient penalty) is not supported by cakeops")
@@ -38,4 +42,15 @@ class EagerFunction(torch.autograd.Function):
             raise NotImplementedError(
                 f"{cls.what}: torch.func transforms (grad, vmap, jvp, jacrev, functional_call under them) are not "
                 f"supported; use torch.autograd.grad / .backward() for gradients and loop instead of vmap")
-        return super().apply(*args, **kwargs)
+        if cls.setup_context is not _NO_SETUP_CONTEXT:
+            return super().apply(*args, **kwargs)
+        # What torch.autograd.Function.apply does without transforms and without a setup_context, minus its
+        # generic Python (two more frames and a generator per call): tensors that outlived a transform unwrapped,
+        # then the C apply.
+        return _C_APPLY.__get__(None, cls)(*[_unwrap_if_dead(a) if isinstance(a, torch.Tensor) else a
+                                             for a in args], **kwargs)
+
+
+_NO_SETUP_CONTEXT = EagerFunction.setup_context
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead

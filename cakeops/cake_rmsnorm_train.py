@@ -263,12 +263,16 @@ def cake_rmsnorm(x: Tensor, w: Tensor, eps: float = 1e-6, residual: Optional[Ten
     >>> y.shape, bool(torch.equal(h, x))
     (torch.Size([2, 8, 64]), True)
     """
-    # DTensors exist only once torch.distributed.tensor is imported: skip the per-argument check before that.
     if deterministic is not True:  # FlashInfer's rule: refused under torch.use_deterministic_algorithms(True)
         deterministic = refuse_nondeterministic(deterministic, "cake_rmsnorm", "the deterministic backward")
-    if not (_traced.through_ops() or (_DTENSOR_MODULE in sys.modules
-                                      and any_dtensor(x=x, w=w, residual=residual))):
-        return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
+    if not _traced.through_ops():
+        # DTensors exist only once torch.distributed.tensor is imported (torch.compile and FSDP import it): an
+        # isinstance per argument, and any_dtensor's placement checks only for a DTensor found.
+        module = sys.modules.get(_DTENSOR_MODULE)
+        if not (module is not None and (isinstance(x, module.DTensor) or isinstance(w, module.DTensor)
+                                        or isinstance(residual, module.DTensor))
+                and any_dtensor(x=x, w=w, residual=residual)):
+            return CakeRMSNormFunction.apply(x, w, eps, residual, deterministic)
     _check_x_w(x, w)
     eps = _checks.positive_float("eps", eps)
     if residual is None:

@@ -30,6 +30,28 @@ def test_kernel_device_switches_only_to_another_gpu(monkeypatch):
     assert entered == [torch.device("cuda", 1)]
 
 
+def test_rmsnorm_device_switch_hands_its_launches_the_device_it_read(monkeypatch):
+    """The RMSNorm ops read the current device once per forward / backward (with the switch) and hand it to
+    their launches, which then do not ask again: it must be the device current inside the switch."""
+    entered, asked = [], []
+
+    @contextlib.contextmanager
+    def recording_device(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 0)
+    monkeypatch.setattr(torch.cuda, "device", recording_device)
+    on = lambda index: SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))  # noqa: E731
+    assert _backend.device_switch(on(0)) == (None, 0)
+    switch, device = _backend.device_switch(on(1))
+    assert device == 1 and switch is not None and entered == []
+    with switch:
+        pass
+    assert entered == [torch.device("cuda", 1)] and len(asked) == 2
+    assert _backend.device_switch(torch.zeros(1)) == (None, None) and len(asked) == 2  # a CPU tensor asks nothing
+
+
 def _mhc_layer_grads(device, gen_seed=0):
     g = torch.Generator(device="cpu").manual_seed(gen_seed)
     T, C = 64, 256

@@ -47,12 +47,12 @@ def forward_impl(x: Tensor, w: Tensor, eps: float, residual: Optional[Tensor] = 
     if residual is not None and h_out is None:
         h_out = x.new_empty(T, H)
     if _backend.use_triton(x):
-        switch = _backend.device_switch(x)
+        switch, device = _backend.device_switch(x)
         if switch is None:
-            _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
+            _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out, device=device)
         else:
             with switch:
-                _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out)
+                _triton_kernels().forward(x, w, eps, y, rstd, residual, h_out, device=device)
     else:
         outs = reference.forward(x, w, eps, residual)
         y.copy_(outs[0])
@@ -74,18 +74,18 @@ def backward_impl(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Opt
     g, x, w = unit_last(g), unit_last(x), unit_last(w)
     g_residual = None if g_residual is None else unit_last(g_residual)
     T, H = x.shape
-    use_triton = _backend.use_triton(x)
+    kernels = _triton_kernels() if _backend.use_triton(x) else None
     dx = x.new_empty(T, H) if dx is None else dx
     if dw is None:
-        rounds = deterministic and (not use_triton or _triton_kernels().ROUNDS_TO_NEAREST)
+        rounds = deterministic and (kernels is None or kernels.ROUNDS_TO_NEAREST)
         dw = x.new_empty(H, dtype=dw_dtype if rounds else torch.float32)
-    if use_triton:
-        switch = _backend.device_switch(x)
+    if kernels is not None:
+        switch, device = _backend.device_switch(x)
         if switch is None:
-            _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+            kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace, device=device)
         else:
             with switch:
-                _triton_kernels().backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace)
+                kernels.backward(g, x, w, rstd, dx, dw, g_residual, deterministic, workspace, device=device)
     else:
         ref_dx, ref_dw = reference.backward(g, x, w, rstd, g_residual)
         dx.copy_(ref_dx)
@@ -97,8 +97,9 @@ def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Op
                    deterministic: bool) -> Tuple[Tensor, Tensor]:
     """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype, straight from the kernels
     where they round it (the eager and compiled paths give the same bits either way)."""
-    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
-    return dX, (dw if dw.dtype == w.dtype else dw.to(w.dtype))
+    w_dtype = w.dtype
+    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, None, None, None, w_dtype)
+    return dX, (dw if dw.dtype == w_dtype else dw.to(w_dtype))
 
 
 # The ops' bodies without their argument checks: what compiled graphs call (inductor.define_unchecked).
@@ -157,7 +158,8 @@ def backward_formula(bwd, h: Tensor, w: Tensor, rstd: Tensor, grad_y: Optional[T
     """(dx, dw, dresidual) from the saved (x or h_new, w, rstd) and the incoming gradients of y and h_new.
 
     ``bwd`` is the backward entry: ``eager_backward`` (eager, the kernels directly) or the ``rmsnorm_bwd`` op
-    (compiled, so the AOT backward graph holds it); both take (g, x, w, rstd, g_residual, deterministic).
+    (compiled, so the AOT backward graph holds it); both take (g, x, w, rstd, g_residual, deterministic) and give
+    dw in w's dtype.
     Gradients are not materialized: a missing grad_h adds nothing (no zero tensor read), a missing grad_y
     means y was unused, and then h_new's gradient passes straight to x and residual with no kernel at all.
     """
@@ -166,7 +168,7 @@ def backward_formula(bwd, h: Tensor, w: Tensor, rstd: Tensor, grad_y: Optional[T
     dx, dw = bwd(rows(grad_y), rows(h), w, rstd if rstd.dim() == 1 else rstd.reshape(-1),
                  None if grad_h is None else rows(grad_h), deterministic)
     dx = dx if h.dim() == 2 else dx.view(h.shape)
-    return dx, (dw if dw.dtype == w.dtype else dw.to(w.dtype)), (dx if has_residual else None)
+    return dx, dw, (dx if has_residual else None)
 
 
 def rows(t: Tensor) -> Tensor:

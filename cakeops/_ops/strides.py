@@ -6,7 +6,9 @@ from torch import Tensor
 
 def unit_last(t: Tensor) -> Tensor:
     """The tensor itself when its last dim is unit-stride (rows read in place), else one contiguous copy."""
-    return t if t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
+    # is_contiguous() first: the usual case, at a third of stride(-1)'s cost (a contiguous t with another last
+    # stride has a last dim of size 1, whose stride is never used: contiguous() would return t itself too)
+    return t if t.is_contiguous() or t.stride(-1) == 1 or t.numel() == 0 else t.contiguous()
 
 
 def in_shape(t: Tensor, shape) -> Tensor:

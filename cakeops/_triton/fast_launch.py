@@ -65,7 +65,7 @@ except ImportError:  # pragma: no cover - a triton this module was not written f
     _ENABLED = False
 
 def _arg_key(name: str, arg, constexpr: bool) -> Tuple[str, str, str]:
-    """(type check, key terms, launcher argument) of one argument, as source text, for the generated key function.
+    """(kind, type check, launcher argument) of one argument, as source text, for the generated key function.
 
     Key: what Triton's specialization of a runtime argument can depend on, or finer. Tensors: dtype and whether
     the data pointer is 16-byte aligned (Triton's "D" attribute). Ints: ``== 1`` (specialized to a constant),
@@ -78,16 +78,32 @@ def _arg_key(name: str, arg, constexpr: bool) -> Tuple[str, str, str]:
     public layer checks devices before any launcher runs).
     """
     if constexpr:
-        return f"type({name}) is T{name}", f"{name},", name
+        return "constexpr", f"type({name}) is T{name}", name
     if isinstance(arg, torch.Tensor):
-        return f"isinstance({name}, Tensor)", f"{name}.dtype, (p{name} := {name}.data_ptr()) % 16 == 0,", f"p{name}"
+        return "tensor", f"isinstance({name}, Tensor)", f"p{name}"
     if type(arg) is int:
-        return (f"type({name}) is int",
-                f"{name} == 1, {name} % 16 == 0, -2147483648 <= {name} <= 2147483647, {name} <= 9223372036854775807,",
-                name)
+        return "int", f"type({name}) is int", name
     if type(arg) in (float, bool):
-        return f"type({name}) is T{name}", "", name
+        return "scalar", f"type({name}) is T{name}", name
     raise TypeError(f"unsupported argument type {type(arg).__name__}")
+
+
+def _key_terms(kinds: Sequence[str], names: Sequence[str]) -> str:
+    """The key's terms after (device, num_warps), as source text. The usual launch -- every pointer aligned, every
+    int in [0, 2**31) -- is keyed by one term for all pointers and one for all ints' ranges (a bitwise or of them
+    is in range exactly when each one is); any other launch by the per-argument terms, a tuple where the usual one
+    has True, so no key of one form equals one of the other."""
+    ptrs = [f"p{n}" for n, k in zip(names, kinds) if k == "tensor"]
+    ints = [n for n, k in zip(names, kinds) if k == "int"]
+    terms = [f"{n}.dtype" if k == "tensor" else n for n, k in zip(names, kinds) if k in ("tensor", "constexpr")]
+    if ptrs:
+        terms.append(f"(not ({' | '.join(ptrs)}) & 15 or ({''.join(f'{p} % 16 == 0, ' for p in ptrs)}))")
+    # per int one term of three values: True (divisible by 16), 2 (== 1), False (neither)
+    terms += [f"(not {n} & 15 or {n} == 1 and 2)" for n in ints]
+    if ints:
+        each = "".join(f"-2147483648 <= {n} <= 2147483647, {n} <= 9223372036854775807, " for n in ints)
+        terms.append(f"(0 <= ({' | '.join(ints)}) <= 2147483647 or ({each}))")
+    return ", ".join(terms)
 
 
 def _make_key_fn(constexpr: Sequence[bool], args: Sequence):
@@ -95,20 +111,24 @@ def _make_key_fn(constexpr: Sequence[bool], args: Sequence):
     this call: one Python frame and no per-argument calls, since the key is computed on every launch. It returns
     None when a later call's argument types differ from these (the caller then takes Triton's own path)."""
     names = [f"a{i}" for i in range(len(args))]
-    checks, terms, passed = zip(*(_arg_key(n, a, c) for n, a, c in zip(names, args, constexpr)))
+    kinds, checks, passed = zip(*(_arg_key(n, a, c) for n, a, c in zip(names, args, constexpr)))
+    pointers = "".join(f"    p{n} = {n}.data_ptr()\n" for n, k in zip(names, kinds) if k == "tensor")
     src = (f"def key(device, num_warps, {', '.join(names)}):\n"
            f"    if not ({' and '.join(checks)}):\n"
            f"        return None\n"
-           f"    return (device, num_warps, {' '.join(terms)}), ({', '.join(passed)},)\n")
+           f"{pointers}"
+           f"    return (device, num_warps, {_key_terms(kinds, names)}), ({', '.join(passed)},)\n")
     namespace = {"Tensor": torch.Tensor, **{f"T{n}": type(a) for n, a in zip(names, args)}}
     exec(src, namespace)  # noqa: S102 - source built above from argument kinds only
     return namespace["key"]
 
 
-def _no_hook(hook) -> bool:
+def _no_hooks(runtime) -> bool:
     # triton 3.6-3.8 keep a HookChain (never None) whose ``calls`` list is empty unless a profiler added hooks;
     # with none, the launcher calls nothing, exactly as when given None.
-    return hook is None or (type(hook).__name__ == "HookChain" and not hook.calls)
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is None or (type(enter).__name__ == "HookChain" and not enter.calls))
+            and (exit_ is None or (type(exit_).__name__ == "HookChain" and not exit_.calls)))
 
 
 def _make_binder(kernel):
@@ -192,18 +212,20 @@ class FastKernel:
                 return
         self.kernel[grid](*args, **kwargs)  # the interpreter too
 
-    def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int) -> None:
+    def __call__(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, device: Optional[int] = None) -> None:
         if _tracing:
             _traced_launch(self.kernel, grid, args, {"num_warps": num_warps})
             return
-        self.run(grid, args, num_warps)
+        self.run(grid, args, num_warps, None, None, device)
 
     def run(self, grid: Tuple[int, ...], args: Sequence, num_warps: int, num_stages: Optional[int] = None,
-            maxnreg: Optional[int] = None) -> None:
-        """Launches with every argument positional in signature order (constexprs included)."""
+            maxnreg: Optional[int] = None, device: Optional[int] = None) -> None:
+        """Launches with every argument positional in signature order (constexprs included). ``device``: the
+        current CUDA device, where the caller has just read it (a launcher's several launches then ask once);
+        None: asked here."""
         if self.usable and len(args) == len(self.constexpr) and not self.kernel.pre_run_hooks:
             runtime = _knobs.runtime
-            if _no_hook(runtime.launch_enter_hook) and _no_hook(runtime.launch_exit_hook):
+            if _no_hooks(runtime):
                 if self.key_fn is None:
                     try:
                         self.key_fn = _make_key_fn(self.constexpr, args)
@@ -212,7 +234,8 @@ class FastKernel:
                         self.kernel[grid](*args, **_options(num_warps, num_stages, maxnreg))
                         return
                 drv = _driver.active
-                device = drv.get_current_device()
+                if device is None:
+                    device = drv.get_current_device()
                 # Triton's options (num_warps, num_stages, maxnreg, debug, instrumentation) are part of its key too.
                 keyed = self.key_fn((device, runtime.debug, _knobs.compilation.instrumentation_mode, num_stages,
                                      maxnreg), num_warps, *args)

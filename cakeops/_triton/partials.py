@@ -1,5 +1,7 @@
 """The deterministic cross-program reduction that the RMSNorm and mHC backward kernels share: per-program FP32
 partials [P, H] summed in a fixed order (bitwise reproducible for a given P), instead of atomics."""
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +34,11 @@ ROUNDS_TO_NEAREST = isinstance(_sum_partials_kernel, triton.runtime.jit.JITFunct
 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor, accumulate: bool = False, *, max_block: int = 128,
-                 block_p: int = 32) -> None:
+                 block_p: int = 32, device: Optional[int] = None) -> None:
     """out [H] (+)= partials [P, H] (unit column stride) summed over P in a fixed order (in FP32; an out of another
     float dtype receives the sum rounded once, and only without accumulate). Narrow column blocks
-    (max_block) make many programs, each a short walk; block_p rows are loaded per step."""
+    (max_block) make many programs, each a short walk; block_p rows are loaded per step. ``device``: the current
+    CUDA device where the caller has read it (None: the launch asks)."""
     P, H = partials.shape
     block = min(max_block, next_power_of_2(H))
-    _launch((cdiv(H, block),), (partials, out, P, H, partials.stride(0), accumulate, block_p, block), 4)
+    _launch((cdiv(H, block),), (partials, out, P, H, partials.stride(0), accumulate, block_p, block), 4, device)

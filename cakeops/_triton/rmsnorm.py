@@ -241,8 +241,9 @@ def _default_forward_tile(H: int, elem_bytes: int, has_residual: bool):
 
 def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd: torch.Tensor,
             residual: Optional[torch.Tensor] = None, h_out: Optional[torch.Tensor] = None, *,
-            config: Optional[RMSNormConfig] = None) -> None:
-    """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out."""
+            config: Optional[RMSNormConfig] = None, device: Optional[int] = None) -> None:
+    """x, residual [T, H] with unit column stride; writes y [T, H], rstd [T] and, with residual, h_out.
+    ``device``: the current CUDA device where the caller has read it (None: the launch asks)."""
     T, H = x.shape
     if T == 0:
         return
@@ -259,7 +260,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, eps: float, y: torch.Tensor, rstd:
     _fwd_launch((cdiv(T, rows),), (
         x, r, w, y, h, rstd, T, H, sx, sr, sy, sh, eps,
         has_res, rows, block, chunks,  # HAS_RESIDUAL, ROWS, BLOCK, NUM_CHUNKS
-    ), warps)
+    ), warps, device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -278,10 +279,11 @@ def workspace_rows(device: torch.device, T: int, H: int, elem_bytes: int = 2) ->
 def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dx: torch.Tensor,
              dw: torch.Tensor, g_residual: Optional[torch.Tensor] = None, deterministic: bool = True,
              workspace: Optional[torch.Tensor] = None, accumulate_dw: bool = False, *,
-             config: Optional[RMSNormConfig] = None) -> None:
+             config: Optional[RMSNormConfig] = None, device: Optional[int] = None) -> None:
     """Writes dx [T, H] (one rounding, g_residual folded in) and dw [H] FP32 (or adds into it). A dw of another
     float dtype (not with accumulate_dw) receives the FP32 sum rounded once, by the fixed-order reduction itself
-    (the same bits as ``dw_fp32.to(dtype)``, without a separate cast launch); the atomic path needs FP32."""
+    (the same bits as ``dw_fp32.to(dtype)``, without a separate cast launch); the atomic path needs FP32.
+    ``device``: the current CUDA device where the caller has read it (None: each launch asks)."""
     T, H = x.shape
     if T == 0:
         if not accumulate_dw:
@@ -313,6 +315,6 @@ def backward(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tens
         g, x, w, rstd, gres, dx, target, T, H,
         sg, x.stride(0), sgres, dx.stride(0), H,
         has_gres, atomic, rows, block, chunks,  # HAS_GRES, ATOMIC_DW, ROWS, BLOCK, NUM_CHUNKS
-    ), warps)
+    ), warps, device)
     if not atomic:
-        sum_partials(target, dw, accumulate_dw)
+        sum_partials(target, dw, accumulate_dw, device=device)

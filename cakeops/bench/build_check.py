@@ -246,7 +246,8 @@ def compile_launches(call, sm: int = 90, sms: int = 132, kernels=None, inductor_
 
     from .._triton.fast_launch import FastKernel
 
-    def triton_path(self, grid, args, num_warps, num_stages=None, maxnreg=None):
+    def triton_path(self, grid, args, num_warps, num_stages=None, maxnreg=None, device=None):
+        # device: the caller's current device, which Triton's path reads itself
         options = {k: v for k, v in (("num_stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         self.kernel[grid](*args, num_warps=num_warps, **options)
 
