@@ -35,7 +35,7 @@ def test_rows_allowed_is_the_inverse_of_the_overhead():
     rng = random.Random()
     cfg = PRESETS["c2048"]
     plain_ms, gbps, goal = rng.uniform(15, 40), rng.uniform(2000, 5000), rng.uniform(3, 20)
-    f = floor.for_config(cfg, plain_ms, gbps, 2, goal)
+    f = floor.for_config(cfg.as_dict(), plain_ms, gbps, 2, goal)
     layers, T = 2 * cfg.blocks, cfg.batch * cfg.seq
     # a layer moving exactly the allowed rows costs exactly the goal
     rows = layers * (f["rows_allowed"] - floor.PLAIN_RESIDUAL_ROWS) + floor.model_rows(cfg.streams)
@@ -60,6 +60,9 @@ def test_cli_errors_in_the_users_terms(capsys):
     with pytest.raises(SystemExit):
         floor.main(["--preset", "c9999", "--plain-ms", "1", "--copy-gbps", "3000"])
     assert "unknown c9999" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        floor.main(["--preset", "c2048", "--plain-ms", "27.3ms", "--copy-gbps", "3000"])
+    assert "--plain-ms: expected comma-separated numbers, got '27.3ms'" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             floor.main(["--preset", "c2048", "--plain-ms", "27.3"])
@@ -70,8 +73,8 @@ def test_bench_model_floor_table_sits_beside_the_measured_overhead():
     cfg = PRESETS["c4096"]
     rows = [{"variant": "plain", "status": "ok", "step_ms": 45.0, "overhead_pct": 0.0},
             {"variant": "cakeops", "status": "ok", "step_ms": 49.8, "overhead_pct": 10.67}]
-    results = [{"preset": "c4096", "rows": rows, "cfg": cfg,
-                "floor": floor.for_config(cfg, 45.0, 3000.0, 2, floor.GOALS["c4096"])}]
+    results = [{"preset": "c4096", "rows": rows, "config": cfg.as_dict(),
+                "floor": floor.for_config(cfg.as_dict(), 45.0, 3000.0, 2, floor.GOALS["c4096"])}]
     header, cells = bench_model.floor_table(results)
     assert header == floor.HEADER and len(cells) == 1
     assert cells[0][:4] == ["c4096", "45.00", "3000", "+10.7 %"] and cells[0][-1] == "5 % → 24.1"
@@ -82,8 +85,9 @@ def test_bench_model_adds_floors_at_the_copy_bandwidth_it_measures(monkeypatch):
 
     monkeypatch.setattr(core, "copy_gbps", lambda device: 3000.0)
     cfg = PRESETS["c2048"]
-    with_plain = {"preset": "c2048", "cfg": cfg, "rows": [{"variant": "plain", "status": "ok", "step_ms": 27.3}]}
-    without = {"preset": "c4096", "cfg": PRESETS["c4096"], "rows": [{"variant": "plain", "status": "failed"}]}
+    with_plain = {"preset": "c2048", "config": cfg.as_dict(),
+                  "rows": [{"variant": "plain", "status": "ok", "step_ms": 27.3}]}
+    without = {"preset": "c4096", "config": PRESETS["c4096"].as_dict(), "rows": [{"variant": "plain", "status": "failed"}]}
     bench_model.add_floors([with_plain, without], torch.device("cpu"), torch.bfloat16)
     assert "floor" not in without
     f = with_plain["floor"]
@@ -97,7 +101,7 @@ def test_step_plot_marks_the_floors_on_the_cakeops_bar(tmp_path):
     rows = [{"variant": "plain", "status": "ok", "step_ms": 27.3, "overhead_pct": 0.0},
             {"variant": "cakeops", "status": "ok", "step_ms": 31.9, "overhead_pct": 16.8}]
     results = [{"preset": "c2048", "rows": rows, "config": dict(cfg.as_dict(), label=cfg.label),
-                "floor": floor.for_config(cfg, 27.3, 3000.0, 2, 10.0)}]
+                "floor": floor.for_config(cfg.as_dict(), 27.3, 3000.0, 2, 10.0)}]
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt

@@ -97,9 +97,8 @@ def eager_backward(g: Tensor, x: Tensor, w: Tensor, rstd: Tensor, g_residual: Op
                    deterministic: bool) -> Tuple[Tensor, Tensor]:
     """The eager Function's backward entry: ``backward_impl`` with dw in w's dtype, straight from the kernels
     where they round it (the eager and compiled paths give the same bits either way)."""
-    w_dtype = w.dtype
-    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, None, None, None, w_dtype)
-    return dX, (dw if dw.dtype == w_dtype else dw.to(w_dtype))
+    dX, dw = backward_impl(g, x, w, rstd, g_residual, deterministic, dw_dtype=w.dtype)
+    return dX, (dw if dw.dtype == w.dtype else dw.to(w.dtype))
 
 
 # The ops' bodies without their argument checks: what compiled graphs call (inductor.define_unchecked).

@@ -23,7 +23,7 @@ branch's own work are left out: the floor is a lower bound.
 """
 import argparse
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 STRUCTURES = ("today", "per-op", "every fusion")
 PLAIN_RESIDUAL_ROWS = 4
@@ -93,13 +93,15 @@ def floors(plain_ms: float, n: int, layers: int, tokens: int, dim: int, itemsize
     return out
 
 
-# The step-cost goals (docs/SPEC-level targets of the model benchmark's two configs), % over plain residual.
+# The step-cost goals of the model benchmark's two configs, % over plain residual.
 GOALS = {"c2048": 10.0, "c4096": 5.0}
 
 
-def for_config(cfg, plain_ms: float, copy_gbps: float, itemsize: int, goal_pct: Optional[float] = None):
-    """``floors`` for a bench model Config (model_zoo.Config): two mHC layers a block, B x S tokens."""
-    return floors(plain_ms, cfg.streams, 2 * cfg.blocks, cfg.batch * cfg.seq, cfg.dim, itemsize, copy_gbps, goal_pct)
+def for_config(config: Mapping[str, int], plain_ms: float, copy_gbps: float, itemsize: int,
+               goal_pct: Optional[float] = None):
+    """``floors`` for a bench model config (``model_zoo.Config.as_dict()``): two mHC layers a block, B x S tokens."""
+    return floors(plain_ms, config["streams"], 2 * config["blocks"], config["batch"] * config["seq"], config["dim"],
+                  itemsize, copy_gbps, goal_pct)
 
 
 def table_rows(label: str, f: Dict[str, object], measured_pct: Optional[float] = None) -> List[str]:
@@ -130,7 +132,10 @@ def _parser() -> argparse.ArgumentParser:
 def _floats(text: Optional[str], count: int, name: str, parser) -> List[Optional[float]]:
     if text is None:
         return [None] * count
-    values = [float(v) for v in text.split(",")]
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        parser.error(f"{name}: expected comma-separated numbers, got {text!r}")
     if len(values) != count:
         parser.error(f"{name}: {len(values)} values for {count} presets")
     return values
@@ -160,7 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cells = []
     for name, p_ms, goal, meas in zip(names, plain, goals, measured):
         cfg = PRESETS[name]
-        cells.append(table_rows(f"{name} ({cfg.label})", for_config(cfg, p_ms, copy, opts.itemsize, goal), meas))
+        cells.append(table_rows(f"{name} ({cfg.label})", for_config(cfg.as_dict(), p_ms, copy, opts.itemsize, goal),
+                                meas))
     print(report.text((HEADER, cells)))
     return 0
 

@@ -425,7 +425,7 @@ def add_floors(results: List[Dict[str, Any]], device: torch.device, dtype: torch
     for res in results:
         plain = plains[id(res)]
         if plain is not None:
-            res["floor"] = floor.for_config(res["cfg"], plain["step_ms"], ceiling, itemsize,
+            res["floor"] = floor.for_config(res["config"], plain["step_ms"], ceiling, itemsize,
                                             floor.GOALS.get(res["preset"]))
 
 
@@ -707,7 +707,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             else:
                 say(f"  {v}: {row['status']}")
         _overheads(rows)
-        results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows, "cfg": cfg})
+        results.append({"preset": name, "config": dict(cfg.as_dict(), label=cfg.label), "rows": rows})
         ok = ok and all(r["status"] == "ok" or r.get("skipped") for r in rows)  # TE absent is no failure
     print()
     print(report.text(summary_table(results, variants)))
@@ -719,8 +719,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print()
             print(FLOOR_CAPTION)
             print(report.text(floor_table(results)))
-    for res in results:
-        del res["cfg"]
     written = _write(opts.out, env, opts, check, results, variants, dtype_name)
     print("wrote " + ", ".join(str(p) for p in written))
     if not cuda:
