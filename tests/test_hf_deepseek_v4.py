@@ -76,9 +76,10 @@ def _step(model, ids, labels=None):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_grads_close(got, want, tol, seed, what=""):
+def _assert_grads_close(got, want, tol, seed, what="", floor=1e-4):
     """Max-rel error of each grad within ``tol``. A compiled model may give zeros where eager gives None (the
-    indexer's params: their output only feeds a top-k)."""
+    indexer's params: their output only feeds a top-k). ``floor``: grads below that share of the largest are
+    compared at it (against HF's own FP32: ``NOISE_FLOOR``, see _errors)."""
     got = {k: v for k, v in got.items() if k in want or v.count_nonzero()}
     assert got.keys() == want.keys(), f"seed {seed}{what}: params with grads differ: {got.keys() ^ want.keys()}"
     scale = max(g.abs().max().item() for g in want.values())
@@ -86,8 +87,8 @@ def _assert_grads_close(got, want, tol, seed, what=""):
         g = got[name]
         assert g.dtype == w.dtype, f"seed {seed}{what}: {name} grad dtype {g.dtype} != {w.dtype}"
         # relative to the grad's own max; a grad at the noise floor (the hash-MoE gate's, ~1e-9 of the model's
-        # largest: rounding noise in HF too) relative to 1e-4 of the largest
-        err = (g.float() - w.float()).abs().max().item() / max(w.abs().max().item(), 1e-4 * scale)
+        # largest: rounding noise in HF too) relative to ``floor`` of the largest
+        err = (g.float() - w.float()).abs().max().item() / max(w.abs().max().item(), floor * scale)
         assert err <= tol, f"seed {seed}{what}: {name} grad max-rel error {err:.2e} > {tol:.0e}"
 
 
@@ -113,10 +114,15 @@ class _CakeopsCalls(TorchDispatchMode):
 
 # ---- parity with HF, fp32 ----
 
+NOISE_FLOOR = 3e-3  # of the largest grad: cakeops' and HF's FP32 grads are compared to each other / to fp64 above it
+
+
 def _errors(got, ref, scale):
-    """Per parameter, max|got - ref| / max|ref| (a grad at the noise floor -- the hash-MoE gate's, ~1e-9 of the
-    largest: rounding noise -- relative to 1e-4 of the largest, ``scale``)."""
-    return {n: (got[n].double() - r.double()).abs().max().item() / max(r.abs().max().item(), 1e-4 * scale)
+    """Per parameter, max|got - ref| / max|ref|; a grad smaller than 0.3 % of the largest, ``scale``, relative to
+    that instead. Both FP32 models are ~1e-8 off fp64 in absolute terms on every hyper-connection grad, so a grad
+    of 1e-5 (the head's scale, at a largest grad of 0.2) measured against itself is rounding noise: at a floor of
+    1e-4 of the largest the noise alone gave cakeops 3.3e-4 and HF 1.9e-5 on one seed (1456963151), 17x."""
+    return {n: (got[n].double() - r.double()).abs().max().item() / max(r.abs().max().item(), NOISE_FLOOR * scale)
             for n, r in ref.items()}
 
 
@@ -124,7 +130,7 @@ def _errors(got, ref, scale):
 def test_fp32_loss_and_every_grad_match_hf(constants):
     """Same batch, same weights: loss and every parameter's gradient against HF's, and both against HF's math in
     fp64: with randomized hyper-connections HF's own fp32 gradients are ~1e-5 off fp64 (cancellation in the
-    scale/base sums), so cakeops' must be as close as HF's (within 4x of HF's worst, or 3e-5). With the
+    scale/base sums), so cakeops' must be as close as HF's (within 8x of HF's worst, or 3e-5). With the
     ``constants`` config (hc_eps 0.05, 7 Sinkhorn iterations, rms_norm_eps 0.1) this fails if any cakeops
     default were used instead."""
     seed = _seed()
@@ -142,18 +148,21 @@ def test_fp32_loss_and_every_grad_match_hf(constants):
     assert len(g) >= 58 and all(k in g for k in ("model.hc_head.hc_fn", "model.layers.1.ffn_hc.scale"))
     scale = max(v.abs().max().item() for v in g_64.values())
     err_hf, err = _errors(g_hf, g_64, scale), _errors(g, g_64, scale)
-    # 4x / 3e-5: the MoE router's gate weight grad sat at 3.03x HF's worst error on torch 2.11's CPU build
-    bound = max(3e-5, 4 * max(err_hf.values()))
+    # 8x / 3e-5: two FP32 computations' errors on one grad are two draws of rounding noise; over 500 seeded runs
+    # (2026-12-06, torch 2.13 CPU) cakeops' worst reached 5.2x HF's worst (a scale grad), and at 4x about 1 % of runs
+    # failed (the MoE router's gate weight grad sat at 3.03x on torch 2.11's CPU build). A wrong constant is off by
+    # orders of magnitude more.
+    bound = max(3e-5, 8 * max(err_hf.values()))
     worst = max(err, key=err.get)
     assert err[worst] <= bound, (f"seed {seed}: {worst} grad {err[worst]:.2e} off fp64 (HF's fp32: "
                                  f"{err_hf[worst]:.2e}, HF's worst {max(err_hf.values()):.2e})")
-    _assert_grads_close(g, g_hf, 2e-4, seed)
+    _assert_grads_close(g, g_hf, 2e-4, seed, floor=NOISE_FLOOR)
     if constants:  # the constants matter at these values: HF's own gradients move past the check's tolerance
         other = DeepseekV4ForCausalLM(_config()).train()
         other.load_state_dict(hf.state_dict())
         # (not the loss: some seeds move it by only 5e-4 of ~4)
         with pytest.raises(AssertionError, match="grad max-rel error"):
-            _assert_grads_close(_step(other, ids)[1], g_hf, 2e-4, seed)
+            _assert_grads_close(_step(other, ids)[1], g_hf, 2e-4, seed, floor=NOISE_FLOOR)
 
 
 def test_every_norm_site_and_hyper_connection_goes_through_cakeops():
