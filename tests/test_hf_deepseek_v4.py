@@ -76,10 +76,12 @@ def _step(model, ids, labels=None):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_grads_close(got, want, tol, seed, what="", floor=1e-4):
+def _assert_grads_close(got, want, tol, seed, what=""):
     """Max-rel error of each grad within ``tol``. A compiled model may give zeros where eager gives None (the
-    indexer's params: their output only feeds a top-k). ``floor``: grads below that share of the largest are
-    compared at it (against HF's own FP32: ``NOISE_FLOOR``, see _errors)."""
+    indexer's params: their output only feeds a top-k). Grads below ``NOISE_FLOOR`` of the largest are compared at
+    that scale (see _errors): two FP32 computations of the same model -- cakeops against HF, compiled against
+    eager, FSDP2's two ranks against one process -- differ by rounding noise there (CI, seed 843596442: the head's
+    scale grad 1.66e-4 apart between FSDP2 and one process at a floor of 1e-4)."""
     got = {k: v for k, v in got.items() if k in want or v.count_nonzero()}
     assert got.keys() == want.keys(), f"seed {seed}{what}: params with grads differ: {got.keys() ^ want.keys()}"
     scale = max(g.abs().max().item() for g in want.values())
@@ -87,8 +89,8 @@ def _assert_grads_close(got, want, tol, seed, what="", floor=1e-4):
         g = got[name]
         assert g.dtype == w.dtype, f"seed {seed}{what}: {name} grad dtype {g.dtype} != {w.dtype}"
         # relative to the grad's own max; a grad at the noise floor (the hash-MoE gate's, ~1e-9 of the model's
-        # largest: rounding noise in HF too) relative to ``floor`` of the largest
-        err = (g.float() - w.float()).abs().max().item() / max(w.abs().max().item(), floor * scale)
+        # largest: rounding noise in HF too) relative to NOISE_FLOOR of the largest
+        err = (g.float() - w.float()).abs().max().item() / max(w.abs().max().item(), NOISE_FLOOR * scale)
         assert err <= tol, f"seed {seed}{what}: {name} grad max-rel error {err:.2e} > {tol:.0e}"
 
 
@@ -156,13 +158,13 @@ def test_fp32_loss_and_every_grad_match_hf(constants):
     worst = max(err, key=err.get)
     assert err[worst] <= bound, (f"seed {seed}: {worst} grad {err[worst]:.2e} off fp64 (HF's fp32: "
                                  f"{err_hf[worst]:.2e}, HF's worst {max(err_hf.values()):.2e})")
-    _assert_grads_close(g, g_hf, 2e-4, seed, floor=NOISE_FLOOR)
+    _assert_grads_close(g, g_hf, 2e-4, seed)
     if constants:  # the constants matter at these values: HF's own gradients move past the check's tolerance
         other = DeepseekV4ForCausalLM(_config()).train()
         other.load_state_dict(hf.state_dict())
         # (not the loss: some seeds move it by only 5e-4 of ~4)
         with pytest.raises(AssertionError, match="grad max-rel error"):
-            _assert_grads_close(_step(other, ids)[1], g_hf, 2e-4, seed, floor=NOISE_FLOOR)
+            _assert_grads_close(_step(other, ids)[1], g_hf, 2e-4, seed)
 
 
 def test_every_norm_site_and_hyper_connection_goes_through_cakeops():
